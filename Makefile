@@ -1,0 +1,27 @@
+# Two set-up-and-go commands (README.md): `make train` runs the main job, `make test` runs the tests.
+# Both create .venv on first use. Where no torch is importable, the CPU build is installed first
+# (override with TORCH=... or bring your own CUDA build into the venv before `make setup`).
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.crl-installed
+
+.PHONY: setup test train clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+train: setup
+	$(PY) scripts/demo_compaction.py
+
+clean:
+	rm -rf $(VENV)

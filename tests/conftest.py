@@ -1,0 +1,29 @@
+import os
+
+# One thread per test process: the machines are 2-core and shared; results must not depend on threading.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+class ToyTokenizer:
+    """Whitespace word -> id, ids assigned on first sight (id 0 reserved for padding)."""
+
+    def __init__(self):
+        self.vocab = {}
+
+    def encode(self, text):
+        return [self.vocab.setdefault(w, len(self.vocab) + 1) for w in text.split()]
+
+    def word(self, w):
+        return self.encode(w)[0]
+
+
+@pytest.fixture
+def toy_tokenizer():
+    return ToyTokenizer()
