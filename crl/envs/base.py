@@ -1,0 +1,256 @@
+"""The console protocol shared by every text environment, and the seeded task suite (DESIGN.md §7).
+
+An episode is one :class:`Task`: a stream of items the agent reveals one by one with ``next``, then a question,
+then ``submit <answer>``, checked by an exact terminal verifier. The protocol:
+
+* ``next`` shows the next item; after the last item it shows the question; once the question has been shown,
+  ``next`` shows it again (so a summary never has to carry the question: the agent can always ask again).
+* ``submit <answer>`` ends the episode: reward 1.0 if ``<answer>`` (stripped) equals the task's answer exactly,
+  else 0.0. ``submit`` without an answer is an invalid command.
+* Anything else is answered with an ``error : …`` observation and costs a step; it never ends the episode.
+* Every command costs one step. When the step that reaches ``max_steps`` does not end the episode, the episode
+  ends as truncated: ``done=True``, ``reward=0.0``, ``info["truncated"]=True``.
+
+All texts are lowercase words and punctuation separated by single spaces (the normal form of
+:func:`crl.modules.tokenizer.normalize`), so they round-trip exactly through the project's tokenizer.
+
+Task suites are deterministic functions of their knobs and ``seed``: every task is generated from its own
+``random.Random`` seeded with a SHA-256 of (suite name, seed, split, index, attempt), never Python's ``hash()``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = [
+    "SPLITS",
+    "NEXT",
+    "SUBMIT",
+    "UNKNOWN_COMMAND",
+    "MISSING_ANSWER",
+    "Task",
+    "StepResult",
+    "TextEnv",
+    "TaskSuite",
+    "seeded_rng",
+]
+
+SPLITS = ("train", "dev", "test")
+NEXT = "next"
+SUBMIT = "submit"
+UNKNOWN_COMMAND = "error : unknown command . use next or submit followed by the answer"
+MISSING_ANSWER = "error : submit needs an answer"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One deterministic task: the prompt ``u``, the items ``next`` reveals, the question and the answer."""
+
+    task_id: str
+    split: str
+    index: int
+    prompt: str  # task text u, without role tags (crl.prompts.format_task adds them)
+    items: tuple[str, ...]  # observations of the successive `next` commands
+    question: str  # observation of the `next` after the last item
+    answer: str  # the exact string `submit` must carry
+
+    @property
+    def n_items(self) -> int:
+        """Number of items before the question."""
+        return len(self.items)
+
+    def to_json(self) -> str:
+        """Canonical JSON of every field (used for digests and duplicate detection)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class StepResult:
+    """What one command returns: the observation text, whether the episode ended, its reward and details.
+
+    ``info`` always holds ``step`` (steps taken so far), ``truncated`` and ``invalid`` (the command was not
+    understood); a ``submit`` adds ``correct``.
+    """
+
+    observation: str
+    done: bool
+    reward: float
+    info: dict
+
+
+class TextEnv:
+    """One episode of a console task at a time: ``reset() -> prompt``, then ``step(action) -> StepResult``.
+
+    Subclasses say what a correct summary of the revealed items is (:meth:`oracle_summary`) and what a summary
+    with the right format but random content looks like (:meth:`format_only_summary`).
+    """
+
+    #: Forced compaction schedule (atomic step numbers after which to compact); empty: capacity trigger only.
+    compaction_steps: tuple[int, ...] = ()
+    #: Atomic steps kept verbatim after a compaction (k of DESIGN.md §1, Eq. 9).
+    keep_recent: int = 2
+
+    def __init__(self, task: Task, max_steps: int):
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        self.task = task
+        self.max_steps = max_steps
+        self.steps = 0
+        self.n_revealed = 0  # items shown so far
+        self.question_shown = False
+        self.done = True  # until reset
+
+    def reset(self) -> str:
+        """Start the episode; returns the task prompt ``u`` (untagged)."""
+        self.steps = 0
+        self.n_revealed = 0
+        self.question_shown = False
+        self.done = False
+        return self.task.prompt
+
+    def step(self, action: str) -> StepResult:
+        """Apply one console command. Raises only on misuse (stepping a finished or un-reset episode)."""
+        if self.done:
+            raise RuntimeError("step() on a finished episode: call reset() first")
+        self.steps += 1
+        info = {"step": self.steps, "truncated": False, "invalid": False}
+        command = action.strip()
+        done, reward = False, 0.0
+        if command == NEXT:
+            observation = self._next()
+        elif command == SUBMIT or command.startswith(SUBMIT + " "):
+            answer = command[len(SUBMIT):].strip()
+            if answer:
+                correct = answer == self.task.answer
+                info["correct"] = correct
+                done, reward = True, float(correct)
+                observation = f"submitted {'correct' if correct else 'wrong'}"
+            else:
+                info["invalid"] = True
+                observation = MISSING_ANSWER
+        else:
+            info["invalid"] = True
+            observation = UNKNOWN_COMMAND
+        if not done and self.steps >= self.max_steps:
+            done = True
+            info["truncated"] = True
+        self.done = done
+        return StepResult(observation, done, reward, info)
+
+    def _next(self) -> str:
+        if self.n_revealed < self.task.n_items:
+            self.n_revealed += 1
+            return self.task.items[self.n_revealed - 1]
+        self.question_shown = True
+        return self.task.question
+
+    def oracle_action(self) -> str:
+        """The optimal next command: ``next`` until the question has been shown, then the correct submit."""
+        return f"{SUBMIT} {self.task.answer}" if self.question_shown else NEXT
+
+    def oracle_summary(self) -> str:
+        """A correct summary of everything revealed so far that the task still needs."""
+        raise NotImplementedError
+
+    def format_only_summary(self, rng: random.Random) -> str:
+        """A summary in the format of :meth:`oracle_summary` whose content is random (teaches format only)."""
+        raise NotImplementedError
+
+
+def seeded_rng(*parts: object) -> random.Random:
+    """A ``random.Random`` seeded from a SHA-256 of ``parts``: identical in every process and Python version."""
+    digest = hashlib.sha256("|".join(str(p) for p in parts).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+class TaskSuite:
+    """A deterministic, split collection of tasks of one environment.
+
+    ``tasks(split)`` for split in ``train``/``dev``/``test``; ``make_env(task)`` gives a fresh episode.
+    With ``disjoint_splits`` (default) no dev task equals a train task and no test task equals a train or dev
+    task: a colliding task is redrawn with the next attempt number (at most ``MAX_ATTEMPTS`` times).
+    """
+
+    name: str = "suite"
+    MAX_ATTEMPTS = 1000
+
+    def __init__(
+        self,
+        seed: int = 0,
+        split_sizes: Mapping[str, int] | None = None,
+        extra_steps: int = 4,
+        disjoint_splits: bool = True,
+    ):
+        sizes = dict(split_sizes) if split_sizes is not None else {"train": 240, "dev": 60, "test": 60}
+        if set(sizes) != set(SPLITS) or any(n < 0 for n in sizes.values()):
+            raise ValueError(f"split_sizes needs non-negative sizes for exactly {SPLITS}, got {sizes}")
+        if extra_steps < 0:
+            raise ValueError(f"extra_steps must be >= 0, got {extra_steps}")
+        self.seed = seed
+        self.split_sizes = sizes
+        self.extra_steps = extra_steps
+        self.disjoint_splits = disjoint_splits
+        self._tasks: dict[str, tuple[Task, ...]] | None = None
+
+    # -- subclass hooks -------------------------------------------------------------------------------------
+    def _make_task(self, task_id: str, split: str, index: int, rng: random.Random) -> Task:
+        raise NotImplementedError
+
+    def make_env(self, task: Task) -> TextEnv:
+        """A fresh environment for one episode of ``task`` (call ``reset()`` before stepping)."""
+        raise NotImplementedError
+
+    # -- public ---------------------------------------------------------------------------------------------
+    def max_steps(self, task: Task) -> int:
+        """Step limit of an episode: the optimal ``n_items + 2`` steps plus ``extra_steps`` of slack."""
+        return task.n_items + 2 + self.extra_steps
+
+    def tasks(self, split: str) -> tuple[Task, ...]:
+        """The tasks of ``split`` (``train``, ``dev`` or ``test``), generated once and cached."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        if self._tasks is None:
+            self._tasks = self._generate()
+        return self._tasks[split]
+
+    def all_tasks(self) -> tuple[Task, ...]:
+        """Every task, train then dev then test."""
+        return tuple(t for split in SPLITS for t in self.tasks(split))
+
+    def digest(self) -> str:
+        """SHA-256 over all tasks: equal digests mean identical suites."""
+        h = hashlib.sha256()
+        for task in self.all_tasks():
+            h.update(task.to_json().encode())
+        return h.hexdigest()
+
+    def _generate(self) -> dict[str, tuple[Task, ...]]:
+        out: dict[str, tuple[Task, ...]] = {}
+        seen: set[str] = set()  # content (everything but id/split/index) of tasks in earlier splits
+        for split in SPLITS:
+            tasks = []
+            for index in range(self.split_sizes[split]):
+                task_id = f"{self.name}-{split}-{index:04d}"
+                for attempt in range(self.MAX_ATTEMPTS):
+                    rng = seeded_rng(self.name, self.seed, split, index, attempt)
+                    task = self._make_task(task_id, split, index, rng)
+                    if not self.disjoint_splits or _content(task) not in seen:
+                        break
+                else:
+                    raise ValueError(
+                        f"{self.name}: could not draw {split} task {index} distinct from earlier splits in "
+                        f"{self.MAX_ATTEMPTS} attempts; the task space is too small for the split sizes "
+                        f"{self.split_sizes} (make tasks longer or pass disjoint_splits=False)"
+                    )
+                tasks.append(task)
+            out[split] = tuple(tasks)
+            seen.update(_content(t) for t in tasks)
+        return out
+
+
+def _content(task: Task) -> str:
+    return json.dumps([task.prompt, task.items, task.question, task.answer])

@@ -1,0 +1,105 @@
+"""Memory chain: remember a fact shown at step 1 through ``length`` distractor steps (DESIGN.md §7).
+
+The first ``next`` reveals the hidden fact, one of ``n_facts`` codes::
+
+    fact : the code is 3
+
+The next ``length`` (default 96) ``next`` commands each show a distractor that never mentions a code::
+
+    noise : the lamp is red
+
+then ``next`` shows the question ``question : what is the code ?``; the answer is the fact's code (``3``).
+The optimal episode is ``length + 3`` steps: fact, ``length`` distractors, question, submit.
+
+Compaction is forced after the atomic steps in ``compaction_steps`` (default: a quarter, half and three
+quarters of ``length``, i.e. 24/48/72 for 96) with ``keep_recent`` (2) steps kept verbatim, so the fact
+survives only through the summaries. A correct summary is ``code 3`` (``none`` before the fact is shown).
+"""
+from __future__ import annotations
+
+import random
+from typing import Mapping, Sequence
+
+from crl.envs.base import Task, TaskSuite, TextEnv
+
+__all__ = ["NOUNS", "COLOURS", "MemoryChainEnv", "MemoryChainSuite"]
+
+NOUNS = ("lamp", "door", "tree", "road", "bird", "cup", "box", "ship")
+COLOURS = ("red", "blue", "green", "yellow", "white", "black", "pink", "gray")
+QUESTION = "question : what is the code ?"
+
+
+class MemoryChainEnv(TextEnv):
+    """One episode of a memory-chain task; the fact's code is the task's answer."""
+
+    def __init__(self, task: Task, max_steps: int, n_facts: int, compaction_steps: tuple[int, ...], keep_recent: int):
+        super().__init__(task, max_steps)
+        self.n_facts = n_facts
+        self.compaction_steps = compaction_steps
+        self.keep_recent = keep_recent
+
+    def oracle_summary(self) -> str:
+        return f"code {self.task.answer}" if self.n_revealed >= 1 else "none"
+
+    def format_only_summary(self, rng: random.Random) -> str:
+        return f"code {rng.randrange(self.n_facts)}" if self.n_revealed >= 1 else "none"
+
+
+class MemoryChainSuite(TaskSuite):
+    """Deterministic memory-chain tasks (240 train / 60 dev / 60 test by default).
+
+    Knobs: ``length`` (distractor steps after the fact), ``n_facts`` (codes are ``0 … n_facts-1``),
+    ``compaction_steps`` (forced schedule; ``None`` derives ``round(length·j/4)`` for j = 1, 2, 3, dropping
+    zeros and duplicates), ``keep_recent`` (atomic steps kept after a compaction), ``seed``, ``split_sizes``,
+    ``extra_steps`` (step-limit slack over the optimal ``length + 3`` steps).
+    """
+
+    name = "memory"
+
+    def __init__(
+        self,
+        length: int = 96,
+        n_facts: int = 4,
+        compaction_steps: Sequence[int] | None = None,
+        keep_recent: int = 2,
+        seed: int = 0,
+        split_sizes: Mapping[str, int] | None = None,
+        extra_steps: int = 4,
+        disjoint_splits: bool = True,
+    ):
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        if n_facts < 2:
+            raise ValueError(f"n_facts must be >= 2, got {n_facts}")
+        if keep_recent < 0:
+            raise ValueError(f"keep_recent must be >= 0, got {keep_recent}")
+        if compaction_steps is None:
+            compaction_steps = sorted({round(length * j / 4) for j in (1, 2, 3)} - {0})
+        compaction_steps = tuple(int(s) for s in compaction_steps)
+        if list(compaction_steps) != sorted(set(compaction_steps)) or any(s < 1 for s in compaction_steps):
+            raise ValueError(f"compaction_steps must be strictly increasing positive ints, got {compaction_steps}")
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits)
+        self.length = length
+        self.n_facts = n_facts
+        self.compaction_steps = compaction_steps
+        self.keep_recent = keep_recent
+
+    def _make_task(self, task_id: str, split: str, index: int, rng: random.Random) -> Task:
+        code = str(rng.randrange(self.n_facts))
+        noise = [f"noise : the {rng.choice(NOUNS)} is {rng.choice(COLOURS)}" for _ in range(self.length)]
+        prompt = (
+            f"the first item is a fact . then {self.length} noise items follow , then the question . "
+            "remember the code and submit it ."
+        )
+        return Task(
+            task_id=task_id,
+            split=split,
+            index=index,
+            prompt=prompt,
+            items=(f"fact : the code is {code}", *noise),
+            question=QUESTION,
+            answer=code,
+        )
+
+    def make_env(self, task: Task) -> MemoryChainEnv:
+        return MemoryChainEnv(task, self.max_steps(task), self.n_facts, self.compaction_steps, self.keep_recent)

@@ -1,0 +1,136 @@
+"""Sequential records: track key/value updates through a stream of records with distractors (DESIGN.md §7).
+
+Each task is a stream of ``n_records`` records. An update record sets a key (a colour) to a one-digit value::
+
+    record 3 : key blue = 7
+
+A distractor record (probability ``distractor_rate``) looks like an update but is marked ``ignore`` and changes
+nothing; its value differs from the key's current value, so a policy that does not ignore it answers wrong::
+
+    record 4 : ignore key red = 2
+
+After the last record, ``next`` shows the question, which asks for a key that was written at least once::
+
+    question : what is the final value of key blue ?
+
+The answer is the last value written to that key (e.g. ``7``). The question is not in the task prompt: the
+agent must track every key. A correct summary lists the current value of every key written so far, in order of
+first write (``blue = 7 , red = 2``; ``none`` before the first update).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Mapping
+
+from crl.envs.base import Task, TaskSuite, TextEnv
+
+__all__ = ["KEYS", "RecordsTask", "SequentialRecordsEnv", "SequentialRecordsSuite"]
+
+KEYS = ("red", "blue", "green", "yellow", "white", "black", "pink", "gray")
+
+
+@dataclass(frozen=True)
+class RecordsTask(Task):
+    """A sequential-records task; ``updates[i]`` is the ``(key, value)`` record ``i`` writes, or ``None``."""
+
+    updates: tuple[tuple[str, str] | None, ...]
+
+
+def summarize(values: Mapping[str, str]) -> str:
+    """Summary text of key values (insertion order): ``blue = 7 , red = 2``, or ``none`` when empty."""
+    return " , ".join(f"{k} = {v}" for k, v in values.items()) or "none"
+
+
+class SequentialRecordsEnv(TextEnv):
+    """One episode of a :class:`RecordsTask`."""
+
+    task: RecordsTask
+
+    def current_values(self) -> dict[str, str]:
+        """Value of every key written by the records revealed so far, in order of first write."""
+        values: dict[str, str] = {}
+        for update in self.task.updates[: self.n_revealed]:
+            if update is not None:
+                values[update[0]] = update[1]
+        return values
+
+    def oracle_summary(self) -> str:
+        return summarize(self.current_values())
+
+    def format_only_summary(self, rng: random.Random) -> str:
+        n = len(self.current_values())
+        keys = rng.sample(KEYS, n)
+        return summarize({k: str(rng.randrange(10)) for k in keys})
+
+
+class SequentialRecordsSuite(TaskSuite):
+    """360 deterministic sequential-records tasks (240 train / 60 dev / 60 test by default).
+
+    Knobs: ``n_records`` (records per task), ``distractor_rate`` (probability a record is an ``ignore``
+    distractor; the first record is always an update), ``n_keys`` (distinct keys per task, at most
+    ``len(KEYS)``), ``n_values`` (values are ``0 … n_values-1``, at most 10), ``seed``, ``split_sizes``,
+    ``extra_steps`` (step-limit slack over the optimal ``n_records + 2`` steps).
+    """
+
+    name = "records"
+
+    def __init__(
+        self,
+        n_records: int = 8,
+        distractor_rate: float = 0.25,
+        n_keys: int = 3,
+        n_values: int = 10,
+        seed: int = 0,
+        split_sizes: Mapping[str, int] | None = None,
+        extra_steps: int = 4,
+        disjoint_splits: bool = True,
+    ):
+        if n_records < 1:
+            raise ValueError(f"n_records must be >= 1, got {n_records}")
+        if not 0.0 <= distractor_rate < 1.0:
+            raise ValueError(f"distractor_rate must be in [0, 1), got {distractor_rate}")
+        if not 1 <= n_keys <= len(KEYS):
+            raise ValueError(f"n_keys must be in [1, {len(KEYS)}], got {n_keys}")
+        if not 2 <= n_values <= 10:
+            raise ValueError(f"n_values must be in [2, 10], got {n_values}")
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits)
+        self.n_records = n_records
+        self.distractor_rate = distractor_rate
+        self.n_keys = n_keys
+        self.n_values = n_values
+
+    def _make_task(self, task_id: str, split: str, index: int, rng: random.Random) -> RecordsTask:
+        keys = rng.sample(KEYS, self.n_keys)
+        values: dict[str, str] = {}
+        items, updates = [], []
+        for i in range(1, self.n_records + 1):
+            key = rng.choice(keys)
+            value = str(rng.randrange(self.n_values))
+            if i > 1 and rng.random() < self.distractor_rate:
+                while value == values.get(key):
+                    value = str(rng.randrange(self.n_values))
+                items.append(f"record {i} : ignore key {key} = {value}")
+                updates.append(None)
+            else:
+                items.append(f"record {i} : key {key} = {value}")
+                updates.append((key, value))
+                values[key] = value
+        asked = rng.choice(sorted(values))
+        prompt = (
+            f"there are {self.n_records} records . each record sets a key to a value unless it says ignore . "
+            "after the last record next shows the question . submit the final value of the asked key ."
+        )
+        return RecordsTask(
+            task_id=task_id,
+            split=split,
+            index=index,
+            prompt=prompt,
+            items=tuple(items),
+            question=f"question : what is the final value of key {asked} ?",
+            answer=values[asked],
+            updates=tuple(updates),
+        )
+
+    def make_env(self, task: RecordsTask) -> SequentialRecordsEnv:
+        return SequentialRecordsEnv(task, self.max_steps(task))
