@@ -1,0 +1,264 @@
+"""``CompactionCollector``: runs many text episodes at once, compacts their contexts, yields segment batches.
+
+Data flow (DESIGN.md §1–§3): environment → :class:`crl.compaction.EpisodeContext` → generation backend →
+episode TensorDict (:mod:`crl.episode`), validated before it is yielded.
+
+TorchRL-style: iterate to get batches (``total_batches=-1`` never stops), call :meth:`update_policy_weights_`
+between batches, :meth:`state_dict` / :meth:`load_state_dict` to resume with the same episode ids and task order.
+
+Every loop iteration makes *one* batched generation call for all live episodes — those choosing an action and
+those writing a summary — then steps the environments. Frozen-summary mode (DESIGN.md §6) draws summaries
+from a second backend holding a frozen copy of the initial policy; those tokens get provenance
+``FROZEN_SUMMARY`` and are not trained.
+
+Rollout ids are ``rank + world_size * n`` with ``n`` this rank's episode counter: unique across batches and
+data-parallel ranks without communication.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+from tensordict import TensorDict
+from tqdm.auto import tqdm
+
+from crl.compaction import CompactionConfig, CompactionEngine, Decision, EpisodeContext
+from crl.episode import EpisodeStatus, build_episode, concat_episodes, validate_episodes
+from crl.modules.generation import GenerationBackend, SamplingParams
+
+
+@dataclass
+class _Live:
+    """One running episode."""
+
+    rollout_id: int
+    task: object
+    env: object
+    ctx: EpisodeContext
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class EpisodeSummary:
+    """Per-episode statistics of the last batch (for logging; the TensorDict holds the training data)."""
+
+    rollout_id: int
+    task_id: str
+    status: EpisodeStatus
+    reward: float
+    n_steps: int
+    n_compactions: int
+    n_segments: int
+    error: str | None = None
+
+
+class CompactionCollector:
+    """Collect batches of compacted episodes.
+
+    Args:
+        suite: a task suite (``tasks(split)``, ``make_env(task)``), e.g. :class:`crl.envs.MemoryChainSuite`.
+        split: which split's tasks to play.
+        backend: the policy's :class:`~crl.modules.generation.GenerationBackend`.
+        encode / decode: tokenizer functions (text -> ids without added special tokens, ids -> text).
+        eos_id: the stop token of actions and summaries (kept in the sampled tokens).
+        compaction: the :class:`~crl.compaction.CompactionConfig`.
+        episodes_per_batch: episodes played concurrently and yielded together.
+        total_batches: batches before iteration stops; -1 for endless.
+        sampling: temperature / top-p for actions and summaries.
+        max_action_tokens: generation limit of one action (also bounded by the remaining context).
+        summary_backend: if given, summaries come from it and are frozen (not trained).
+        rank / world_size: this process's data-parallel position (episode ids and task streams differ).
+        seed: task order seed (combined with the rank).
+        tasks_in_order: play the split's tasks in order (evaluation) instead of sampling them.
+        step_timeout: seconds an environment step may take; slower ends that episode as FAILED.
+        progress: show a tqdm bar of episodes and generated tokens.
+    """
+
+    def __init__(
+        self,
+        suite,
+        split: str,
+        backend: GenerationBackend,
+        encode: Callable[[str], Sequence[int]],
+        decode: Callable[[Sequence[int]], str],
+        eos_id: int,
+        compaction: CompactionConfig,
+        *,
+        episodes_per_batch: int,
+        total_batches: int = -1,
+        sampling: SamplingParams | None = None,
+        max_action_tokens: int = 16,
+        summary_backend: GenerationBackend | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        tasks_in_order: bool = False,
+        step_timeout: float | None = None,
+        progress: bool = True,
+        engine_kwargs: dict | None = None,
+    ):
+        if episodes_per_batch < 1:
+            raise ValueError(f"episodes_per_batch must be >= 1, got {episodes_per_batch}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if max_action_tokens < 1:
+            raise ValueError(f"max_action_tokens must be >= 1, got {max_action_tokens}")
+        self.suite, self.split, self.tasks = suite, split, suite.tasks(split)
+        if not self.tasks:
+            raise ValueError(f"split {split!r} of {type(suite).__name__} has no tasks")
+        self.backend, self.summary_backend = backend, summary_backend
+        self.encode, self.decode, self.eos_id = encode, decode, eos_id
+        self.engine = CompactionEngine(compaction, encode, eos_id=eos_id, **(engine_kwargs or {}))
+        self.episodes_per_batch, self.total_batches = episodes_per_batch, total_batches
+        stop = (eos_id,)
+        self.sampling = sampling or SamplingParams(stop_token_ids=stop)
+        if eos_id not in self.sampling.stop_token_ids:
+            self.sampling = SamplingParams(self.sampling.temperature, self.sampling.top_p, tuple(self.sampling.stop_token_ids) + stop)
+        self.max_action_tokens = max_action_tokens
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.tasks_in_order, self.step_timeout, self.progress = tasks_in_order, step_timeout, progress
+        self.episodes_started = 0  # this rank's episode counter
+        self.batches_yielded = 0
+        self.last_episodes: list[EpisodeSummary] = []
+        self.last_stats: dict = {}
+        self._executor = None
+
+    # ------------------------------------------------------------------ TorchRL-collector surface
+    def __iter__(self) -> Iterator[TensorDict]:
+        while self.total_batches < 0 or self.batches_yielded < self.total_batches:
+            yield self.collect()
+
+    def update_policy_weights_(self, state_dict: dict | None = None) -> None:
+        """Give the policy backend new weights (no-op when it shares the trainer's module and none are given)."""
+        if state_dict is not None:
+            self.backend.load_state_dict(state_dict)
+
+    def state_dict(self) -> dict:
+        return {"episodes_started": self.episodes_started, "batches_yielded": self.batches_yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.episodes_started = int(state["episodes_started"])
+        self.batches_yielded = int(state["batches_yielded"])
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ one batch
+    def _next_task(self, n: int):
+        if self.tasks_in_order:
+            return self.tasks[n % len(self.tasks)]
+        return random.Random(f"{self.seed}|{self.rank}|{n}").choice(self.tasks)
+
+    def _step_env(self, env, action: str):
+        if self.step_timeout is None:
+            return env.step(action)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        future = self._executor.submit(env.step, action)
+        try:
+            return future.result(timeout=self.step_timeout)
+        except concurrent.futures.TimeoutError:
+            self._executor.shutdown(wait=False)  # the hung step keeps its thread; later steps get a new one
+            self._executor = None
+            raise TimeoutError(f"environment step exceeded step_timeout={self.step_timeout}s")
+
+    def collect(self) -> TensorDict:
+        """Play ``episodes_per_batch`` episodes to the end and return their validated segment rows."""
+        t0 = time.perf_counter()
+        live: list[_Live] = []
+        done: list[tuple[_Live, EpisodeStatus, float]] = []
+        for _ in range(self.episodes_per_batch):
+            n = self.episodes_started
+            self.episodes_started += 1
+            task = self._next_task(n)
+            ep = _Live(self.rank + self.world_size * n, task, self.suite.make_env(task), None)
+            try:
+                ep.ctx = self.engine.start(ep.env.reset())
+                live.append(ep)
+            except Exception as err:  # a broken reset still yields a (failed, untrainable) episode for the audit
+                ep.ctx = self.engine.start("")
+                ep.info["error"] = f"reset: {type(err).__name__}: {err}"
+                done.append((ep, EpisodeStatus.FAILED, 0.0))
+        bar = tqdm(total=self.episodes_per_batch, desc=f"collect[{self.split}]", unit="ep", disable=not self.progress, leave=False)
+        bar.update(len(done))
+        generated = {"action": 0, "summary": 0}
+        while live:
+            summarizing = [ep for ep in live if ep.ctx.pending_summary]
+            acting = [ep for ep in live if not ep.ctx.pending_summary]
+            # One batched call for every row the policy serves; frozen summaries go to the frozen backend.
+            rows = [(ep, False) for ep in acting]
+            frozen_rows = []
+            if self.summary_backend is None:
+                rows += [(ep, True) for ep in summarizing]
+            else:
+                frozen_rows = summarizing
+            gens = self.backend.generate(
+                [ep.ctx.summary_request_ids if is_sum else ep.ctx.context_ids for ep, is_sum in rows],
+                [ep.ctx.summary_budget if is_sum else min(self.max_action_tokens, ep.ctx.remaining) for ep, is_sum in rows],
+                self.sampling,
+            )
+            frozen_gens = (
+                self.summary_backend.generate([ep.ctx.summary_request_ids for ep in frozen_rows], [ep.ctx.summary_budget for ep in frozen_rows], self.sampling)
+                if frozen_rows
+                else []
+            )
+            for ep, gen in zip(frozen_rows, frozen_gens):
+                ep.ctx.apply_summary(gen.token_ids, gen.log_probs, frozen=True)
+                generated["summary"] += len(gen.token_ids)
+            finished = []
+            for (ep, is_sum), gen in zip(rows, gens):
+                if is_sum:
+                    ep.ctx.apply_summary(gen.token_ids, gen.log_probs)
+                    generated["summary"] += len(gen.token_ids)
+                    continue
+                generated["action"] += len(gen.token_ids)
+                ids = gen.token_ids[:-1] if gen.stopped else gen.token_ids
+                try:
+                    result = self._step_env(ep.env, self.decode(ids))
+                except Exception as err:  # env error or timeout: this episode fails, the batch goes on
+                    ep.ctx.append_step(gen.token_ids, gen.log_probs, [])
+                    ep.info["error"] = f"{type(err).__name__}: {err}"
+                    finished.append((ep, EpisodeStatus.FAILED, 0.0))
+                    continue
+                decision = ep.ctx.append_step(gen.token_ids, gen.log_probs, result.observation)
+                if result.done:
+                    truncated = bool(result.info.get("truncated", False))
+                    status = EpisodeStatus.TRUNCATED if truncated else EpisodeStatus.COMPLETED
+                    finished.append((ep, status, 0.0 if truncated else float(result.reward)))
+                elif decision is Decision.TRUNCATE:
+                    finished.append((ep, EpisodeStatus.TRUNCATED, 0.0))
+            for item in finished:
+                live.remove(item[0])
+            done.extend(finished)
+            bar.update(len(finished))
+            bar.set_postfix(tokens=generated["action"] + generated["summary"], live=len(live))
+        bar.close()
+
+        done.sort(key=lambda item: item[0].rollout_id)
+        rows_td, self.last_episodes = [], []
+        for ep, status, reward in done:
+            segments = ep.ctx.segments()
+            td = build_episode(segments, ep.rollout_id, reward, status)
+            rows_td.append(td)
+            self.last_episodes.append(
+                EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"))
+            )
+        batch = concat_episodes(rows_td)
+        validate_episodes(batch)
+        elapsed = time.perf_counter() - t0
+        self.batches_yielded += 1
+        self.last_stats = {
+            "episodes": len(done),
+            "generated_action_tokens": generated["action"],
+            "generated_summary_tokens": generated["summary"],
+            "seconds": elapsed,
+            "episodes_per_s": len(done) / elapsed,
+            "generated_tokens_per_s": (generated["action"] + generated["summary"]) / elapsed,
+        }
+        return batch

@@ -1,0 +1,192 @@
+"""Generation backends: batched sampling that returns the sampled tokens *and* their behaviour log-probs.
+
+The behaviour log-prob of a token is its log-probability under exactly the distribution it was drawn from:
+temperature applied, top-p truncation applied (then renormalised), for every sampled token including the
+first, and the stop token kept (DESIGN.md §9 lists how TorchRL's ``TransformersWrapper`` gets each of these
+wrong, which is why crl samples with its own loop).
+
+Backends:
+
+* :class:`TransformersBackend` (default; CPU or GPU): left-padded batch, KV cache, per-row token budgets.
+* :class:`VLLMBackend` (optional extra ``crl[vllm]``): imported lazily, written against vLLM's public API.
+  It cannot be installed on the project's CPU machines and has **not been exercised**.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (behaviour log-probs need a proper distribution), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    log_probs: list[float]
+    stopped: bool  # ended on a stop token (kept in token_ids) rather than on the token budget
+
+
+class GenerationBackend(Protocol):
+    """What a collector needs from an inference engine."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per prompt, at most ``max_new_tokens[i]`` tokens for prompt ``i``."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take new policy weights (between collection batches)."""
+
+
+def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from: ``softmax(logits / T)``, top-p truncated.
+
+    Top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p`` (the most likely
+    token always stays) and renormalises; excluded tokens get ``-inf``.
+    """
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()  # mass strictly before each token
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    return logp
+
+
+class TransformersBackend:
+    """Batched sampling from a ``transformers`` causal LM with a KV cache.
+
+    Prompts are left-padded (position ids count real tokens only, so a padded row sees exactly the positions
+    it would see alone). Rows stop independently on a stop token or on their own budget.
+    """
+
+    def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, device: str | torch.device = "cpu"):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # transformers 5.x renamed `past_key_values` to `cache`; accept both so GPU users' versions work.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.model.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, params: SamplingParams) -> list[Generation]:
+        n = len(prompts)
+        if n == 0:
+            return []
+        budgets = torch.tensor([int(m) for m in max_new_tokens], device=self.device)
+        if len(budgets) != n:
+            raise ValueError(f"{n} prompts but {len(budgets)} token budgets")
+        if (budgets < 1).any():
+            raise ValueError(f"every token budget must be >= 1, got {budgets.tolist()}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: a prompt must hold at least one token")
+        was_training = self.model.training
+        self.model.eval()
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((n, width), dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+        out_tokens = torch.full((n, int(budgets.max())), self.pad_token_id, dtype=torch.long, device=self.device)
+        out_logp = torch.zeros((n, int(budgets.max())), device=self.device)
+        lengths = torch.zeros(n, dtype=torch.long, device=self.device)
+        alive = torch.ones(n, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(n, dtype=torch.bool, device=self.device)
+        past, step_ids, positions = None, ids, (mask.cumsum(-1) - 1).clamp(min=0)
+        for t in range(int(budgets.max())):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_kw: past})
+            past = out[self._cache_kw]
+            logp = sampling_log_probs(out.logits[:, -1], params)
+            token = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+            token = torch.where(alive, token, torch.full_like(token, self.pad_token_id))
+            out_tokens[:, t] = token
+            out_logp[:, t] = torch.where(alive, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1), torch.zeros_like(out_logp[:, t]))
+            lengths += alive.long()
+            hit_stop = alive & torch.isin(token, stop) if len(stop) else torch.zeros_like(alive)
+            stopped |= hit_stop
+            alive &= ~hit_stop & (lengths < budgets)
+            if not alive.any():
+                break
+            # finished rows keep stepping on padding that nobody attends to
+            mask = torch.cat([mask, alive.long().unsqueeze(-1)], dim=-1)
+            positions = (positions[:, -1:] + 1)
+            step_ids = token.unsqueeze(-1)
+        if was_training:
+            self.model.train()
+        return [
+            Generation(out_tokens[i, : lengths[i]].tolist(), out_logp[i, : lengths[i]].tolist(), bool(stopped[i]))
+            for i in range(n)
+        ]
+
+
+class VLLMBackend:
+    """vLLM inference (optional extra ``crl[vllm]``; NOT exercised: vLLM cannot be installed on the CPU machines).
+
+    Uses ``vllm.LLM.generate`` with ``SamplingParams(logprobs=0)``, which returns the log-prob of each sampled
+    token; ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) makes those the log-probs *after*
+    temperature and top-p, i.e. the behaviour distribution this project requires. New weights are pushed
+    with ``load_weights`` on the driver worker's model.
+    """
+
+    def __init__(self, model_path: str, seed: int = 0, **llm_kwargs):
+        try:
+            import vllm
+        except ImportError as err:  # optional backend: fail with the fix, only when asked for
+            raise ImportError("VLLMBackend needs vLLM: pip install 'crl[vllm]' on a GPU machine") from err
+        self._vllm = vllm
+        self.seed = seed
+        self.llm = vllm.LLM(model=model_path, seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        weights = list(state_dict.items())
+        self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights))
+
+    def generate(self, prompts, max_new_tokens, params: SamplingParams) -> list[Generation]:
+        vllm = self._vllm
+        requests = [
+            vllm.SamplingParams(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=int(m),
+                stop_token_ids=list(params.stop_token_ids),
+                logprobs=0,
+                seed=self.seed + i,
+            )
+            for i, m in enumerate(max_new_tokens)
+        ]
+        outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
+        result = []
+        for out in outs:
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            logps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids)]
+            result.append(Generation(ids, logps, comp.finish_reason == "stop"))
+        return result
+
+
+def make_backend(name: str, **kwargs) -> GenerationBackend:
+    """``"transformers"`` or ``"vllm"`` (lazy import)."""
+    if name == "transformers":
+        return TransformersBackend(**kwargs)
+    if name == "vllm":
+        return VLLMBackend(**kwargs)
+    raise ValueError(f"unknown generation backend {name!r}; choose 'transformers' or 'vllm'")

@@ -1,0 +1,128 @@
+"""Actor and critic (DESIGN.md §5): a ``transformers`` causal LM and the same backbone with a scalar value head.
+
+Models are built from configs (tiny Llama/Qwen2-style presets for CPU runs) or loaded from a *local* checkpoint
+path; nothing is fetched from a hub. Both are exposed as TorchRL ``TensorDictModule`` s over the episode keys
+(:mod:`crl.episode`), with the contract's alignment::
+
+    log_prob[s, t]    = log softmax(logits(tokens[s, :t]) / temperature)[tokens[s, t]]     (0 at t = 0)
+    entropy[s, t]     = entropy of that same distribution                                  (0 at t = 0)
+    state_value[s, t] = v(hidden(tokens[s, :t]))                                           (0 at t = 0)
+
+i.e. position ``t`` reads the backbone's output at ``t - 1``: the state before token ``t`` was chosen.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+PRESETS = {
+    # ~0.1M parameters: the CPU test and default-training preset.
+    "llama-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "qwen2-tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    # ~1M parameters: a still-CPU-friendly larger preset.
+    "llama-small": dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4),
+}
+
+
+def build_causal_lm(model: str, vocab_size: int, max_positions: int, *, pad_token_id: int = 0, eos_token_id: int | None = None, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A causal LM from a preset name (built from config, seeded) or a local checkpoint directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model in PRESETS:
+        spec = dict(PRESETS[model])
+        model_type = spec.pop("model_type")
+        config = AutoConfig.for_model(
+            model_type,
+            vocab_size=vocab_size,
+            max_position_embeddings=max_positions,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            bos_token_id=None,
+            tie_word_embeddings=False,
+            **spec,
+        )
+        config._attn_implementation = attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return AutoModelForCausalLM.from_config(config)
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(
+            f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory; "
+            "models are never downloaded: pass a preset or a path"
+        )
+    lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    if lm.config.vocab_size < vocab_size:
+        raise ValueError(f"checkpoint {path} has vocab_size {lm.config.vocab_size} < tokenizer's {vocab_size}")
+    return lm
+
+
+def _shift(x: torch.Tensor) -> torch.Tensor:
+    """Move per-position outputs one step right so that index t holds the output of position t-1 (0 at t=0)."""
+    return F.pad(x[:, :-1], (1, 0) if x.ndim == 2 else (0, 0, 1, 0))
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class CausalLMLogProbs(nn.Module):
+    """Teacher-forced per-token log-probs and entropies of a causal LM at a sampling temperature."""
+
+    def __init__(self, lm: nn.Module, temperature: float = 1.0):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+        self.lm = lm
+        self.temperature = temperature
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor):
+        attention_mask = attention_mask.long()
+        out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
+        logits = out.logits.float() / self.temperature
+        logp_all = _shift(torch.log_softmax(logits, dim=-1))
+        log_prob = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        keep = attention_mask.bool()
+        keep[:, 0] = False
+        return log_prob * keep, entropy * keep
+
+
+class ValueModel(nn.Module):
+    """The critic: a causal LM's backbone with a scalar value head, ``V(prefix) = w^T h + b``."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)  # start at V = 0: the critic warm-up moves it to the reward scale
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_actor(cls, lm: nn.Module, share_backbone: bool = False) -> "ValueModel":
+        """Critic initialised from the actor's weights (the paper's choice), or sharing its backbone."""
+        backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+        return cls(backbone if share_backbone else copy.deepcopy(backbone), lm.config.hidden_size)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        attention_mask = attention_mask.long()
+        hidden = self.backbone(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False).last_hidden_state
+        values = self.value_head(hidden.float()).squeeze(-1)
+        keep = attention_mask.bool()
+        keep[:, 0] = False
+        return _shift(values) * keep
+
+
+def actor_module(lm: nn.Module, temperature: float = 1.0) -> TensorDictModule:
+    """``(tokens, attention_mask) -> (log_prob, entropy)`` as a TensorDictModule."""
+    return TensorDictModule(CausalLMLogProbs(lm, temperature), in_keys=["tokens", "attention_mask"], out_keys=["log_prob", "entropy"])
+
+
+def critic_module(value_model: ValueModel) -> TensorDictModule:
+    """``(tokens, attention_mask) -> state_value`` as a TensorDictModule."""
+    return TensorDictModule(value_model, in_keys=["tokens", "attention_mask"], out_keys=["state_value"])
