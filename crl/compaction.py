@@ -188,6 +188,7 @@ class EpisodeContext:
                 )
         self._prefix: list[_Piece] = [_Piece(list(engine.system_ids), Provenance.SYSTEM), _Piece(task_ids, Provenance.TASK)]
         self._steps: list[_Step] = []  # steps of the current execution segment (since the last resume)
+        self._history: list[_Step] = []  # every atomic step of the episode: Eq. 9's tail is its last k
         self._closed: list[Segment] = []
         self.n_steps = 0
         self.n_compactions = 0
@@ -241,12 +242,9 @@ class EpisodeContext:
         room = self.remaining - len(action_ids)
         overflow = len(obs_ids) > room
         obs_ids = obs_ids[:room]
-        self._steps.append(
-            _Step(
-                _Piece(action_ids, Provenance.ACTION, [float(x) for x in action_log_probs]),
-                _Piece(obs_ids, Provenance.OBSERVATION),
-            )
-        )
+        step = _Step(_Piece(action_ids, Provenance.ACTION, [float(x) for x in action_log_probs]), _Piece(obs_ids, Provenance.OBSERVATION))
+        self._steps.append(step)
+        self._history.append(step)
         self.n_steps += 1
         return Decision.TRUNCATE if overflow else self._decide()
 
@@ -288,16 +286,8 @@ class EpisodeContext:
             raise ValueError(f"{len(summary_ids)} summary tokens but {len(summary_log_probs)} log-probs")
         if not 1 <= len(summary_ids) <= self.summary_budget:
             raise ValueError(f"summary has {len(summary_ids)} tokens; it must hold 1..{self.summary_budget} (summary_budget)")
-        pieces = self._pieces()
-        self._closed.append(self._segment(SegmentKind.EXECUTION, pieces))
-        # The summary request replays h_t as context: actions were trained in their own segment.
-        replay = [_Piece(p.ids, Provenance.COPIED_ACTION) if p.provenance == Provenance.ACTION else _Piece(p.ids, p.provenance) for p in pieces]
-        summary_kind = Provenance.FROZEN_SUMMARY if frozen else Provenance.SUMMARY
-        replay += [
-            _Piece(self.engine.summary_instruction_ids, Provenance.SUMMARY_INSTRUCTION),
-            _Piece(summary_ids, summary_kind, [float(x) for x in summary_log_probs]),
-        ]
-        self._closed.append(self._segment(SegmentKind.SUMMARY, replay))
+        self._closed.append(self._segment(SegmentKind.EXECUTION, self._pieces()))
+        self._closed.append(self.summary_segment(summary_ids, summary_log_probs, frozen))
         self.n_compactions += 1
         self.pending_summary = False
 
@@ -314,16 +304,30 @@ class EpisodeContext:
         ]
         base = sum(len(p.ids) for p in head)
         # Eq. 9 retry: k, k-1, …, 0 whole atomic steps until C - |h'| >= T_comp.
-        k = min(self.config.keep_recent, len(self._steps))
-        while k > 0 and self.config.context_capacity - (base + sum(len(s) for s in self._steps[-k:])) < self.config.min_remaining:
+        # The tail is the last k steps of the whole episode: with frequent compactions it can reach back
+        # past the previous resume (those steps were in its copied tail).
+        k = min(self.config.keep_recent, len(self._history))
+        while k > 0 and self.config.context_capacity - (base + sum(len(s) for s in self._history[-k:])) < self.config.min_remaining:
             k -= 1
-        tail = self._steps[-k:] if k else []
+        tail = self._history[-k:] if k else []
         for step in tail:
             head += [_Piece(step.action.ids, Provenance.COPIED_TAIL), _Piece(step.observation.ids, Provenance.COPIED_TAIL)]
         self._prefix = head
         self._steps = []
         self.kept_recent.append(k)
         return k
+
+    def summary_segment(self, summary_ids: Sequence[int], summary_log_probs: Sequence[float], frozen: bool = False) -> Segment:
+        """The summary segment ``h_t + q_sum + S_t`` for the pending request, without applying the summary.
+
+        The request replays ``h_t`` as context: its actions were trained in their own segment (COPIED_ACTION).
+        """
+        replay = [_Piece(p.ids, Provenance.COPIED_ACTION) if p.provenance == Provenance.ACTION else p for p in self._pieces()]
+        replay += [
+            _Piece(self.engine.summary_instruction_ids, Provenance.SUMMARY_INSTRUCTION),
+            _Piece([int(t) for t in summary_ids], Provenance.FROZEN_SUMMARY if frozen else Provenance.SUMMARY, [float(x) for x in summary_log_probs]),
+        ]
+        return self._segment(SegmentKind.SUMMARY, replay)
 
     # ----------------------------------------------------------------- output
     @staticmethod

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import enum
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 from tensordict import TensorDict
+
+from crl.io import atomic_write
 
 __all__ = [
     "Provenance",
@@ -344,20 +345,6 @@ def validate_episodes(td: TensorDict, complete: bool = True) -> None:
                     _fail("no-optimized-token", "segment has no optimized token", r, i)
 
 
-def _atomic_write(path: Path, write) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_episodes(td: TensorDict, path: str | os.PathLike) -> None:
     """Write a batch as a flat token buffer plus offsets, atomically (temp file in the same folder + rename).
 
@@ -376,7 +363,7 @@ def save_episodes(td: TensorDict, path: str | os.PathLike) -> None:
             payload["flat"][key] = value[keep].clone()
         else:
             raise ValueError(f"save_episodes: key {key!r} has {value.ndim} dims; only [S] and [S, T] are stored")
-    _atomic_write(Path(path), lambda tmp: torch.save(payload, tmp))
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
 
 
 def load_episodes(path: str | os.PathLike) -> TensorDict:

@@ -187,3 +187,18 @@ def test_resume_budget_refused_with_numbers(toy_tokenizer):
     eng = make_engine(toy_tokenizer, context_capacity=20, min_remaining=10, max_summary_tokens=5)
     with pytest.raises(ConfigError, match="does not leave T_comp"):
         eng.start(" ".join(["w"] * 15))
+
+
+def test_tail_reaches_back_past_the_previous_resume(toy_tokenizer):
+    """Eq. 9 keeps the last k steps of the trajectory, even when one of them was itself a copied tail."""
+    tok = toy_tokenizer
+    eng = make_engine(tok, context_capacity=1000, min_remaining=5, forced_steps=(1, 2, 3), keep_recent=2)
+    ctx = eng.start("task")
+    for i in range(1, 4):
+        assert ctx.append_step([tok.word(f"act{i}")], [-0.1], f"obs{i}") is Decision.COMPACT
+        ctx.apply_summary([tok.word(f"sum{i}")], [-0.1])
+    ids = ctx.context_ids
+    prov = [p.provenance for p in ctx._pieces() for _ in p.ids]
+    tail = [t for t, p in zip(ids, prov) if p == Provenance.COPIED_TAIL]
+    assert tail == [tok.word("act2"), tok.word("obs2"), tok.word("act3"), tok.word("obs3")]
+    assert ctx.kept_recent == [1, 2, 2]

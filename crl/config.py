@@ -1,0 +1,252 @@
+"""Training configuration: typed schema (omegaconf structured configs), YAML files, command-line overrides.
+
+``load_config(path, overrides)`` merges ``configs/default.yaml``-style files (with an optional ``defaults:``
+list of other files to layer first, relative to the file) and ``key=value`` overrides onto the schema below,
+then validates. Unknown keys, wrong types, impossible budgets and contradictory choices fail here, at load
+time, with a message that names the key — never mid-run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigValidationError(ValueError):
+    """A configuration that cannot run; the message names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "llama-tiny"  # a crl.modules.models preset, or a local checkpoint directory
+    share_critic_backbone: bool = False  # critic = actor backbone + value head (one network)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_action_tokens: int = 8
+    backend: str = "transformers"  # or "vllm" (optional extra, GPU)
+
+
+@dataclass
+class EnvConfig:
+    name: str = "memory_chain"  # memory_chain | sequential_records
+    length: int = 4  # memory chain: distractor steps
+    n_facts: int = 4
+    compaction_steps: Optional[list] = None  # memory chain forced schedule; None: the suite's default
+    n_records: int = 4  # sequential records
+    distractor_rate: float = 0.25
+    n_keys: int = 2
+    extra_steps: int = 4
+    seed: int = 0
+
+
+@dataclass
+class CompactionSettings:
+    enabled: bool = True  # False: the no-compaction ablation (plain long context, max_compactions = 0)
+    context_capacity: int = 1024  # C
+    min_remaining: int = 64  # T_comp
+    max_compactions: int = 3
+    keep_recent: int = 2  # k
+    max_summary_tokens: int = 8
+    keep_task_prompt: bool = False
+    forced: bool = True  # use the environment's forced schedule (memory chain) on top of the Eq. 7 trigger
+
+
+@dataclass
+class AlgoConfig:
+    gamma: float = 1.0
+    alpha: Optional[float] = 1.5
+    lmbda: Optional[float] = None  # fixed λ instead of the length-adaptive one (then set alpha to null)
+    lambda_length: str = "segment"  # segment | rollout
+    cross_trajectory: bool = True
+    value_target: str = "local"  # local | corrected
+    boundary: str = "terminal"  # terminal | bootstrap
+    whiten_advantage: bool = False
+    aggregation: str = "token_sum_global"  # token_sum_global | segment_mean | microbatch_token_mean
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    clip_value: Optional[float] = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    frozen_summary: bool = False  # summaries from a frozen copy of the initial policy, masked from the loss
+
+
+@dataclass
+class CurriculumStage:
+    length: int = 4  # memory chain length (or records per task) of this stage
+    promote_at: float = 1.1  # move to the next stage when train success reaches this (> 1: never)
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = 40
+    episodes_per_batch: int = 32  # per data-parallel rank
+    micro_batches: int = 2  # gradient-accumulation micro-batches per optimizer step (per rank)
+    policy_epochs: int = 1
+    policy_minibatches: int = 1
+    critic_updates: int = 2  # critic optimizer steps per iteration
+    critic_warmup_iterations: int = 2  # critic-only iterations at the start
+    actor_lr: float = 1e-3
+    critic_lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    threads: int = 1  # torch threads per process
+    curriculum: list = field(default_factory=list)  # list of CurriculumStage; empty: env.length throughout
+
+
+@dataclass
+class WarmStartConfig:
+    enabled: bool = True
+    steps: int = 200
+    batch_episodes: int = 16
+    lr: float = 3e-3
+
+
+@dataclass
+class EvalConfig:
+    every: int = 5  # iterations between dev evaluations (0: only at start and end)
+    episodes: int = 60
+    temperature: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10
+    keep_last: int = 2
+    evidence_every: int = 10  # iterations whose evidence (DESIGN §8) is kept; the last one always is
+    resume: str = "auto"  # auto | never | a checkpoint directory
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    project: str = "crl"
+    run_name: Optional[str] = None
+    progress: bool = True
+
+
+@dataclass
+class DeepSpeedConfig:
+    config: Optional[str] = None  # a DeepSpeed JSON (configs/deepspeed/zero2.json); null: plain accelerate
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    compaction: CompactionSettings = field(default_factory=CompactionSettings)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+
+CHOICES = {
+    "model.backend": ("transformers", "vllm"),
+    "env.name": ("memory_chain", "sequential_records"),
+    "algo.lambda_length": ("segment", "rollout"),
+    "algo.value_target": ("local", "corrected"),
+    "algo.boundary": ("terminal", "bootstrap"),
+    "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> DictConfig:
+    if path in seen:
+        raise ConfigValidationError(f"config {path}: circular `defaults:` include")
+    if not path.is_file():
+        raise ConfigValidationError(f"config file {path} does not exist")
+    cfg = OmegaConf.load(path)
+    includes = cfg.pop("defaults", None) or []
+    merged = OmegaConf.create()
+    for inc in includes:
+        merged = OmegaConf.merge(merged, _read_yaml((path.parent / inc).resolve(), seen + (path,)))
+    return OmegaConf.merge(merged, cfg)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Schema ← YAML file (with its ``defaults:`` includes) ← ``key=value`` overrides; then :func:`validate`."""
+    schema = OmegaConf.structured(Config)
+    try:
+        layers = [schema]
+        if path is not None:
+            layers.append(_read_yaml(Path(path).resolve()))
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(*layers)
+        stages = cfg.train.curriculum
+        if stages:
+            cfg.train.curriculum = [OmegaConf.merge(OmegaConf.structured(CurriculumStage), s) for s in stages]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        raise ConfigValidationError(f"config key {key!r}: {str(err).splitlines()[0]}") from None
+    obj: Config = OmegaConf.to_object(cfg)
+    obj.train.curriculum = [s if isinstance(s, CurriculumStage) else CurriculumStage(**s) for s in obj.train.curriculum]
+    validate(obj)
+    return obj
+
+
+def _need(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigValidationError(f"{key}: {msg}")
+
+
+def validate(cfg: Config) -> None:
+    """Refuse impossible or contradictory settings, naming the key."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _need(value in allowed, key, f"{value!r} is not one of {allowed}")
+    a, t, c = cfg.algo, cfg.train, cfg.compaction
+    _need((a.alpha is None) != (a.lmbda is None), "algo.alpha/algo.lmbda", "set exactly one (alpha for the length-adaptive λ, lmbda for a fixed λ; null the other)")
+    _need(0.0 <= a.gamma <= 1.0, "algo.gamma", f"must be in [0, 1], got {a.gamma}")
+    if a.lmbda is not None:
+        _need(0.0 <= a.lmbda <= 1.0, "algo.lmbda", f"must be in [0, 1], got {a.lmbda}")
+    if a.alpha is not None:
+        _need(a.alpha > 0, "algo.alpha", f"must be > 0, got {a.alpha}")
+    _need(not (a.boundary == "bootstrap" and a.cross_trajectory), "algo.boundary", "'bootstrap' requires algo.cross_trajectory=false")
+    _need(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algo.clip_eps_low/high", "must be > 0")
+    _need(a.clip_value is None or a.clip_value > 0, "algo.clip_value", "must be > 0 or null")
+    _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
+    _need(cfg.model.temperature > 0, "model.temperature", "must be > 0 (behaviour log-probs need a proper distribution)")
+    _need(0 < cfg.model.top_p <= 1, "model.top_p", "must be in (0, 1]")
+    _need(cfg.model.max_action_tokens >= 1, "model.max_action_tokens", "must be >= 1")
+    for key in ("iterations", "episodes_per_batch", "micro_batches", "policy_epochs", "policy_minibatches"):
+        _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    _need(t.critic_updates >= 0, "train.critic_updates", "must be >= 0")
+    _need(t.critic_warmup_iterations >= 0, "train.critic_warmup_iterations", "must be >= 0")
+    _need(t.actor_lr > 0 and t.critic_lr > 0, "train.actor_lr/critic_lr", "must be > 0")
+    _need(t.policy_minibatches <= t.episodes_per_batch, "train.policy_minibatches", f"{t.policy_minibatches} minibatches cannot split {t.episodes_per_batch} episodes")
+    for i, stage in enumerate(t.curriculum):
+        _need(stage.length >= 1, f"train.curriculum[{i}].length", "must be >= 1")
+    _need(cfg.eval.every >= 0 and cfg.eval.episodes >= 1, "eval.every/episodes", "every >= 0 and episodes >= 1")
+    _need(cfg.eval.temperature > 0, "eval.temperature", "must be > 0")
+    _need(cfg.checkpoint.every >= 1 and cfg.checkpoint.keep_last >= 1, "checkpoint.every/keep_last", "must be >= 1")
+    _need(cfg.checkpoint.evidence_every >= 1, "checkpoint.evidence_every", "must be >= 1")
+    _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
+    if cfg.deepspeed.config is not None:
+        _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")
+    # Budgets: build the engine once, it refuses impossible numbers with the arithmetic in the message.
+    from crl.builders import check_budgets
+    from crl.compaction import ConfigError
+
+    try:
+        check_budgets(cfg)
+    except ConfigError as err:
+        raise ConfigValidationError(f"compaction: {err}") from None
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,0 +1,95 @@
+"""Metric logging (wandb + a local JSONL of every logged metric) and the learning-curve PNG."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from crl.io import atomic_write
+
+
+class MetricLogger:
+    """Logs to wandb (``logging.wandb_mode``: offline by default, no account needed) and ``RUN_DIR/metrics.jsonl``.
+
+    Only the main process logs (``enabled``). On resume, records past ``resume_step`` (logged by the killed run
+    after its last checkpoint) are dropped from the JSONL, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: Path, cfg, enabled: bool = True, resume_step: int | None = None):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run = None
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            atomic_write(self.path, lambda tmp: Path(tmp).write_text("".join(line + "\n" for line in kept)))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()  # a fresh run in an existing directory starts a fresh log
+        if cfg.logging.wandb_mode != "disabled":
+            import wandb
+
+            from crl.config import to_dict
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(
+                project=cfg.logging.project, name=cfg.logging.run_name, mode=cfg.logging.wandb_mode,
+                dir=str(run_dir), config=to_dict(cfg), reinit="finish_previous",
+            )
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if k != "step"}, step=max(int(step), 0) if step >= 0 else None)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+PANELS = [
+    ("success rate", ["train/success", "dev/success", "dev/success_stage"]),
+    ("reward", ["train/reward"]),
+    ("compactions / segments per episode", ["episode/compactions", "episode/segments"]),
+    ("optimized tokens per episode", ["tokens/execution_per_episode", "tokens/summary_per_episode"]),
+    ("losses", ["policy/loss_objective", "critic/loss_critic", "warm_start/nll"]),
+    ("PPO", ["policy/clip_fraction", "policy/approx_kl"]),
+    ("explained variance", ["critic/explained_variance"]),
+    ("grad norms", ["grad_norm/actor", "grad_norm/critic"]),
+    ("collector tokens/s", ["perf/collect_tokens_per_s"]),
+]
+
+
+def plot_curves(jsonl: Path, png: Path) -> None:
+    """One panel per group of :data:`PANELS`, x = iteration; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
+    cols = 3
+    rows = math.ceil(len(PANELS) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows))
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, ms=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.axis("off")
+    fig.tight_layout()
+    atomic_write(png, lambda tmp: fig.savefig(tmp, format="png", dpi=90))
+    plt.close(fig)
