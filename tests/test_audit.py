@@ -1,0 +1,368 @@
+"""The evidence audit (scripts/audit.py, DESIGN.md §8): a clean run passes, every doctored run fails by name."""
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _evidence_factory import ITERATION, edit_json, edit_rows, ev, make_run
+from crl.episode import EpisodeStatus, Provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "audit.py"
+
+
+def _load_audit():
+    spec = importlib.util.spec_from_file_location("crl_audit_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+audit = _load_audit()
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "clean"
+    make_run(run)
+    return run
+
+
+@pytest.fixture
+def run(clean_run, tmp_path):
+    """A fresh copy of the clean run, free to doctor."""
+    dst = tmp_path / "run"
+    shutil.copytree(clean_run, dst)
+    return dst
+
+
+def do_audit(run_dir, capsys=None):
+    rc = audit.main([str(run_dir)])
+    out = capsys.readouterr().out if capsys is not None else ""
+    rep = json.loads((Path(run_dir) / "audit.json").read_text())
+    return rc, rep, out
+
+
+def check(rep, name):
+    return next(c for c in rep["checks"] if c["name"] == name)
+
+
+def assert_fails(run_dir, name, capsys):
+    rc, rep, out = do_audit(run_dir, capsys)
+    assert rc != 0 and rep["verdict"] == "FAIL"
+    assert name in rep["failed"], rep["failed"]
+    assert "PASS" not in out
+    assert "Evidence audit: FAIL" in (Path(run_dir) / "audit.md").read_text()
+    return rep
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_clean_run_passes(run):
+    """The path users run: a subprocess on the clean run exits 0 and writes audit.json / audit.md."""
+    # -X importtime lists every imported module on stderr: the audit must not use the trainer's estimator
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(SCRIPT), str(run)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "audit: PASS" in proc.stdout
+    assert "crl.modules.models" in proc.stderr and "crl.objectives" not in proc.stderr
+    rep = json.loads((run / "audit.json").read_text())
+    assert rep["verdict"] == "PASS" and rep["failed"] == []
+    names = [c["name"] for c in rep["checks"]]
+    assert names == [
+        "evidence_files", "rollout_training_agree", "trainable_set_complete", "siblings_share_reward_status",
+        "execution_summary_execution_path", "summary_tokens_optimized", "non_sampled_tokens_masked",
+        "n_after_rollout_length", "advantages_value_targets", "grad_norms", "checkpoint", "files_manifest",
+    ]
+    adv = check(rep, "advantages_value_targets")["measured"]
+    assert adv["max_abs_err_advantage"] < 1e-6 and adv["max_abs_err_value_target"] < 1e-6
+    assert adv["optimized_tokens"] > 0
+    stats = check(rep, "trainable_set_complete")["measured"]
+    assert stats["collected"]["by_status"] == {"COMPLETED": 3, "TRUNCATED": 1, "FAILED": 1}
+    assert stats["collected"]["success_rate_over_completed"] == pytest.approx(2 / 3)
+    assert stats["trainable"]["rollouts"] == 5 and stats["trainable"]["segments"] == 17
+    files = {f["path"]: f for f in rep["files"]}
+    for r in (0, 1):
+        for name in ("rollout.pt", "training.pt", "grad_norms.json", "meta.json"):
+            f = files[f"evidence/iter_{ITERATION:06d}/rank_{r}/{name}"]
+            assert f["bytes"] > 0 and len(f["sha256"]) == 64
+    for name in ("actor.pt", "critic.pt", "actor_config.json", "meta.json"):
+        assert f"checkpoints/iter_{ITERATION:06d}/{name}" in files
+    md = (run / "audit.md").read_text()
+    assert "Evidence audit: PASS" in md and files[f"checkpoints/iter_{ITERATION:06d}/actor.pt"]["sha256"] in md
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        dict(lambda_length="rollout", value_target="corrected"),
+        dict(alpha=None, lmbda=0.9, gamma=0.97, cross_trajectory=False),
+        dict(whiten=True),
+        dict(boundary="bootstrap", cross_trajectory=False),
+    ],
+    ids=["rollout-corrected", "fixed-lambda-no-cross", "whiten", "bootstrap"],
+)
+def test_estimator_variants_pass(tmp_path, estimator, capsys):
+    make_run(tmp_path, seed=5, estimator=estimator)
+    rc, rep, out = do_audit(tmp_path, capsys)
+    assert rc == 0, rep["failed"]
+    assert check(rep, "advantages_value_targets")["measured"]["max_abs_err_advantage"] < 1e-5
+
+
+def test_every_iteration_is_audited(tmp_path, capsys):
+    make_run(tmp_path, seed=1)
+    make_run(tmp_path, seed=2, iteration=ITERATION + 1, rid_offset=100, estimator=dict(whiten=True))
+    rc, rep, _ = do_audit(tmp_path, capsys)
+    assert rc == 0, rep["failed"]
+    assert check(rep, "evidence_files")["measured"]["iterations"] == [ITERATION, ITERATION + 1]
+    assert check(rep, "trainable_set_complete")["measured"]["collected"]["rollouts"] == 10
+
+    def bump(td):
+        s, t = _first_opt(td)
+        td["advantage"][s, t] += 1e-3
+        return td
+
+    edit_rows(tmp_path, 1, "training.pt", bump, iteration=ITERATION + 1)
+    assert_fails(tmp_path, "advantages_value_targets", capsys)
+
+
+def test_rollout_id_reused_across_iterations_fails(tmp_path, capsys):
+    make_run(tmp_path, seed=1)
+    make_run(tmp_path, seed=2, iteration=ITERATION + 1)
+    assert_fails(tmp_path, "siblings_share_reward_status", capsys)
+
+
+def test_whiten_needs_every_rank(tmp_path, capsys):
+    """Whitening is over all ranks: recomputing it per rank would not match, so a mislabelled meta fails."""
+    make_run(tmp_path, seed=5, estimator=dict(whiten=True))
+    for r in (0, 1):
+        edit_json(ev(tmp_path, r) / "meta.json", lambda m: dict(m, estimator=dict(m["estimator"], whiten=False)))
+    assert_fails(tmp_path, "advantages_value_targets", capsys)
+
+
+def _first_opt(td, prov=None):
+    """(row, token) of the first optimized token (or the first token of provenance ``prov``)."""
+    sel = td["loss_mask"] if prov is None else td["provenance"] == int(prov)
+    s, t = (int(x) for x in sel.nonzero()[0])
+    return s, t
+
+
+def test_flipped_mask_bit_on_observation_fails(run, capsys):
+    def flip(td):
+        s, t = _first_opt(td, Provenance.OBSERVATION)
+        td["loss_mask"][s, t] = True
+        return td
+
+    edit_rows(run, 1, ["rollout.pt", "training.pt"], flip)
+    rep = assert_fails(run, "non_sampled_tokens_masked", capsys)
+    assert check(rep, "non_sampled_tokens_masked")["measured"]["loss_mask_bits_on_non_sampled"]["OBSERVATION"] == 2
+
+
+def test_mask_flip_in_training_only_is_caught(run, capsys):
+    def flip(td):
+        s, t = _first_opt(td, Provenance.COPIED_SUMMARY)
+        td["loss_mask"][s, t] = True
+        return td
+
+    edit_rows(run, 0, "training.pt", flip)
+    rep = assert_fails(run, "non_sampled_tokens_masked", capsys)
+    assert "rollout_training_agree" in rep["failed"]
+
+
+@pytest.mark.parametrize("delta,fails", [(1e-3, True), (2e-5, False)])
+def test_changed_advantage(run, capsys, delta, fails):
+    def bump(td):
+        s, t = _first_opt(td)
+        td["advantage"][s, t] += delta
+        return td
+
+    edit_rows(run, 1, "training.pt", bump)
+    rc, rep, out = do_audit(run, capsys)
+    err = check(rep, "advantages_value_targets")["measured"]["max_abs_err_advantage"]
+    assert err == pytest.approx(delta, rel=0.05)
+    if fails:
+        assert rc != 0 and rep["failed"] == ["advantages_value_targets"] and "PASS" not in out
+    else:
+        assert rc == 0 and rep["verdict"] == "PASS"
+
+
+def test_nonzero_value_target_off_mask_fails(run, capsys):
+    def bump(td):
+        s, t = _first_opt(td, Provenance.OBSERVATION)
+        td["value_target"][s, t] = 0.5
+        return td
+
+    edit_rows(run, 0, "training.pt", bump)
+    rep = assert_fails(run, "advantages_value_targets", capsys)
+    assert check(rep, "advantages_value_targets")["measured"]["nonzero_off_mask"] == 1
+
+
+def test_nan_advantage_fails(run, capsys):
+    def nan(td):
+        s, t = _first_opt(td)
+        td["advantage"][s, t] = float("nan")
+        return td
+
+    edit_rows(run, 0, "training.pt", nan)
+    assert_fails(run, "advantages_value_targets", capsys)
+
+
+def test_missing_checkpoint_fails(run, capsys):
+    shutil.rmtree(run / "checkpoints")
+    rep = assert_fails(run, "checkpoint", capsys)
+    assert "files_manifest" in rep["failed"]
+
+
+def test_stale_checkpoint_fails(run, capsys):
+    """A checkpoint older than the evidence is not post-update."""
+    old = run / "checkpoints" / f"iter_{ITERATION - 1:06d}"
+    (run / "checkpoints" / f"iter_{ITERATION:06d}").rename(old)
+    edit_json(old / "meta.json", lambda m: dict(m, iteration=ITERATION - 1))
+    for r in (0, 1):
+        edit_json(ev(run, r) / "meta.json", lambda m: dict(m, checkpoint=f"checkpoints/{old.name}"))
+    assert_fails(run, "checkpoint", capsys)
+
+
+def test_checkpoint_that_does_not_load_fails(run, capsys):
+    path = run / "checkpoints" / f"iter_{ITERATION:06d}" / "critic.pt"
+    sd = torch.load(path, weights_only=True)
+    sd.pop("value_head.bias")
+    torch.save(sd, path)
+    assert_fails(run, "checkpoint", capsys)
+
+
+def test_non_finite_parameter_fails(run, capsys):
+    path = run / "checkpoints" / f"iter_{ITERATION:06d}" / "actor.pt"
+    sd = torch.load(path, weights_only=True)
+    next(v for k, v in sd.items() if v.is_floating_point())[0] = float("inf")
+    torch.save(sd, path)
+    assert_fails(run, "checkpoint", capsys)
+
+
+@pytest.mark.parametrize("value", [0.0, float("nan"), float("inf")])
+def test_bad_grad_norm_fails(run, capsys, value):
+    edit_json(ev(run, 1) / "grad_norms.json", lambda g: dict(g, critic=[1.0, value]))
+    rep = assert_fails(run, "grad_norms", capsys)
+    assert rep["failed"] == ["grad_norms"]
+
+
+def test_empty_actor_grad_norms_fail(run, capsys):
+    edit_json(ev(run, 0) / "grad_norms.json", lambda g: dict(g, actor=[]))
+    assert_fails(run, "grad_norms", capsys)
+
+
+def test_siblings_disagree_on_reward_fails(run, capsys):
+    """Rollout 101 is split across ranks: its rank-1 segments claim reward 1."""
+
+    def reward(td):
+        td["reward"][td["rollout_id"] == 101] = 1.0
+        return td
+
+    edit_rows(run, 1, ["rollout.pt", "training.pt"], reward)
+    assert_fails(run, "siblings_share_reward_status", capsys)
+
+
+def test_siblings_disagree_on_status_fails(run, capsys):
+    def status(td):
+        td["status"][(td["rollout_id"] == 102) & (td["segment_index"] == 4)] = int(EpisodeStatus.COMPLETED)
+        return td
+
+    edit_rows(run, 1, ["rollout.pt", "training.pt"], status)
+    assert_fails(run, "siblings_share_reward_status", capsys)
+
+
+@pytest.mark.parametrize("rid,status", [(102, "TRUNCATED"), (103, "FAILED")])
+def test_unfinished_episode_left_out_of_training_fails(run, capsys, rid, status):
+    edit_rows(run, 1, "training.pt", lambda td: td[td["rollout_id"] != rid])
+    rep = assert_fails(run, "trainable_set_complete", capsys)
+    assert f"rollout {rid} ({status})" in check(rep, "trainable_set_complete")["detail"]
+
+
+def test_one_segment_left_out_fails(run, capsys):
+    edit_rows(run, 1, "training.pt", lambda td: td[~((td["rollout_id"] == 102) & (td["segment_index"] == 3))])
+    assert_fails(run, "trainable_set_complete", capsys)
+
+
+def test_stale_n_after_fails(run, capsys):
+    def stale(td):
+        td["n_after"][(td["rollout_id"] == 100) & (td["segment_index"] == 0)] += 1
+        return td
+
+    edit_rows(run, 0, ["rollout.pt", "training.pt"], stale)
+    assert_fails(run, "n_after_rollout_length", capsys)
+
+
+def test_log_prob_disagreement_fails(run, capsys):
+    def logp(td):
+        s, t = _first_opt(td)
+        td["sample_log_prob"][s, t] -= 0.1
+        return td
+
+    edit_rows(run, 1, "training.pt", logp)
+    rep = assert_fails(run, "rollout_training_agree", capsys)
+    assert rep["failed"] == ["rollout_training_agree"]
+
+
+def test_no_summary_path_fails(run, capsys):
+    """Without any compaction in the run there is no execution→summary→execution path (and no summary token)."""
+    for r in (0, 1):
+        edit_rows(run, r, ["rollout.pt", "training.pt"], lambda td: td[td["rollout_id"] == 104] if r == 1 else td[:0])
+    rep = assert_fails(run, "execution_summary_execution_path", capsys)
+    assert "summary_tokens_optimized" in rep["failed"]
+
+
+@pytest.mark.parametrize("name", ["grad_norms.json", "training.pt", "rollout.pt", "meta.json"])
+def test_missing_evidence_file_fails(run, capsys, name):
+    (ev(run, 1) / name).unlink()
+    rep = assert_fails(run, "evidence_files", capsys)
+    assert "files_manifest" in rep["failed"]
+
+
+def test_missing_rank_fails(run, capsys):
+    shutil.rmtree(ev(run, 1))
+    assert_fails(run, "evidence_files", capsys)
+
+
+def test_missing_evidence_dir_fails_every_data_check(run, capsys):
+    shutil.rmtree(run / "evidence")
+    rep = assert_fails(run, "evidence_files", capsys)
+    assert all(c["status"] == "FAIL" for c in rep["checks"])
+
+
+def test_looser_tolerance_is_refused(run):
+    with pytest.raises(SystemExit):
+        audit.main([str(run), "--tolerance", "1e-3"])
+
+
+def test_not_a_directory(tmp_path, capsys):
+    assert audit.main([str(tmp_path / "nope")]) == 2
+    captured = capsys.readouterr()
+    assert "PASS" not in captured.out + captured.err
+
+
+def test_independent_gae_matches_eq15():
+    """V ≡ 0 and one shared λ: Â_i = R (γλ)^(N_>s + n_s - 1 - i) (DESIGN.md §4, Eq. 15)."""
+    gamma, lam, R, n, n_after = 0.99, 0.95, 2.0, 5, 7
+    _, A_hat = audit.segment_gae([0.0] * n, R, n_after, lam, gamma, True)
+    want = [R * (gamma * lam) ** (n_after + n - 1 - i) for i in range(n)]
+    np.testing.assert_allclose(A_hat, want, rtol=1e-12)
+    assert audit.segment_lambda(dict(lmbda=None, alpha=1.5, lambda_length="segment"), 4, 10) == pytest.approx(1 - 1 / 6)
+    assert audit.segment_lambda(dict(lmbda=None, alpha=1.5, lambda_length="rollout"), 4, 10) == pytest.approx(1 - 1 / 15)
+    assert audit.segment_lambda(dict(lmbda=None, alpha=1.5, lambda_length="segment"), 0, 10) == 0.0
+
+
+def test_audit_source_does_not_import_objectives():
+    import ast
+
+    tree = ast.parse(SCRIPT.read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert names and not any(m.startswith("crl.objectives") for m in names)
