@@ -23,7 +23,7 @@ The driver (a collector, or a test with a toy tokenizer) calls, per episode::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from crl import prompts
@@ -190,6 +190,7 @@ class EpisodeContext:
         self._steps: list[_Step] = []  # steps of the current execution segment (since the last resume)
         self._history: list[_Step] = []  # every atomic step of the episode: Eq. 9's tail is its last k
         self._closed: list[Segment] = []
+        self._length = sum(len(p.ids) for p in self._prefix)
         self.n_steps = 0
         self.n_compactions = 0
         self.kept_recent: list[int] = []  # k actually used at each compaction, after shrinking
@@ -209,7 +210,7 @@ class EpisodeContext:
         return [t for piece in self._pieces() for t in piece.ids]
 
     def __len__(self) -> int:
-        return sum(len(p.ids) for p in self._prefix) + sum(len(s) for s in self._steps)
+        return self._length  # kept up to date by append_step / apply_summary: O(1), asked several times a step
 
     @property
     def remaining(self) -> int:
@@ -245,6 +246,7 @@ class EpisodeContext:
         step = _Step(_Piece(action_ids, Provenance.ACTION, [float(x) for x in action_log_probs]), _Piece(obs_ids, Provenance.OBSERVATION))
         self._steps.append(step)
         self._history.append(step)
+        self._length += len(step)
         self.n_steps += 1
         return Decision.TRUNCATE if overflow else self._decide()
 
@@ -314,6 +316,7 @@ class EpisodeContext:
             head += [_Piece(step.action.ids, Provenance.COPIED_TAIL), _Piece(step.observation.ids, Provenance.COPIED_TAIL)]
         self._prefix = head
         self._steps = []
+        self._length = sum(len(p.ids) for p in head)
         self.kept_recent.append(k)
         return k
 

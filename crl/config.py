@@ -216,6 +216,10 @@ def validate(cfg: Config) -> None:
     _need(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algo.clip_eps_low/high", "must be > 0")
     _need(a.clip_value is None or a.clip_value > 0, "algo.clip_value", "must be > 0 or null")
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
+    from crl.modules.models import PRESETS
+
+    _need(cfg.model.preset in PRESETS or Path(cfg.model.preset).is_dir(), "model.preset", f"{cfg.model.preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
+    _need(not (cfg.model.backend == "vllm" and cfg.model.preset in PRESETS), "model.backend", "vllm serves a checkpoint directory; presets use the transformers backend")
     _need(cfg.model.temperature > 0, "model.temperature", "must be > 0 (behaviour log-probs need a proper distribution)")
     _need(0 < cfg.model.top_p <= 1, "model.top_p", "must be in (0, 1]")
     _need(cfg.model.max_action_tokens >= 1, "model.max_action_tokens", "must be >= 1")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch

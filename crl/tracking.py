@@ -37,6 +37,9 @@ class MetricLogger:
                 project=cfg.logging.project, name=cfg.logging.run_name, mode=cfg.logging.wandb_mode,
                 dir=str(run_dir), config=to_dict(cfg), reinit="finish_previous",
             )
+            # One x-axis for everything: the iteration (negative during the warm start), not wandb's own step.
+            self.run.define_metric("iteration")
+            self.run.define_metric("*", step_metric="iteration")
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -45,7 +48,7 @@ class MetricLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if k != "step"}, step=max(int(step), 0) if step >= 0 else None)
+            self.run.log({"iteration": record["step"], **{k: v for k, v in record.items() if k != "step"}})
 
     def close(self) -> None:
         if self.run is not None:

@@ -8,7 +8,9 @@ contain, which is what CompactionRL is meant to learn:
 * demonstration episodes follow the environment's oracle; at each compaction the oracle's (correct) summary is
   copied into the resume context, but its tokens are FROZEN_SUMMARY (loss mask 0), never trained;
 * for each of those compaction points a separate summary segment with the *right format but random content*
-  (``env.format_only_summary``) is trained.
+  (``env.format_only_summary``) is trained;
+* every other batch plays the same tasks without compaction, so the policy also learns to answer from an
+  observation it can still see (a protocol skill, not a summary).
 
 So after the warm start the policy answers from what its context shows and writes well-formed summaries whose
 content is unrelated to the episode: success through a compaction is at chance until RL teaches the summary.
@@ -16,12 +18,16 @@ Loss: mean negative log-likelihood over the demonstrations' optimized tokens (``
 """
 from __future__ import annotations
 
+import dataclasses
 import random
+from typing import Callable
 
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from tqdm.auto import tqdm
 
-from crl.compaction import CompactionEngine, Decision
+from crl.compaction import CompactionConfig, CompactionEngine, Decision
 from crl.episode import EpisodeStatus, build_episode, concat_episodes
 
 
@@ -55,3 +61,44 @@ def nll_loss(actor_module, batch: TensorDict) -> torch.Tensor:
     out = actor_module(batch.select("tokens", "attention_mask"))
     mask = batch["loss_mask"]
     return -(out["log_prob"] * mask).sum() / mask.sum().clamp_min(1)
+
+
+def warm_start(
+    actor_module: TensorDictModule,
+    suite,
+    compaction: CompactionConfig,
+    encode,
+    eos_id: int,
+    *,
+    steps: int,
+    batch_episodes: int,
+    lr: float,
+    seed: int,
+    log: Callable[[dict, int], None] | None = None,
+    progress: bool = True,
+) -> float:
+    """Adam on :func:`nll_loss` over fresh demonstrations each step (alternately with and without compaction).
+
+    Deterministic given ``seed``: every data-parallel rank computes the same weights. Returns the last loss.
+    Gradients are cleared at the end so none leaks into the first PPO step.
+    """
+    engines = [
+        CompactionEngine(compaction, encode, eos_id=eos_id),
+        CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id),
+    ]
+    params = [p for p in actor_module.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
+    rng = random.Random(seed)
+    loss = torch.tensor(float("nan"))
+    bar = tqdm(range(steps), desc="warm start", disable=not progress)
+    for step in bar:
+        batch = demonstration_batch(suite, engines[step % 2], encode, eos_id, batch_episodes, rng)
+        loss = nll_loss(actor_module, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        bar.set_postfix(nll=f"{loss.item():.3f}")
+        if log is not None and (step % 10 == 0 or step == steps - 1):
+            log({"warm_start/nll": loss.item()}, step - steps)
+    opt.zero_grad(set_to_none=True)
+    return float(loss)

@@ -19,7 +19,6 @@ import copy
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -40,11 +39,10 @@ from tqdm.auto import tqdm
 
 from crl.builders import build_compaction_config, build_suite, stage_lengths
 from crl.collectors import CompactionCollector
-from crl.compaction import CompactionEngine
 from crl.config import Config, ConfigValidationError, load_config, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
 from crl.evidence import checkpoint_dir, write_evidence
-from crl.io import atomic_write, atomic_write_json, atomic_write_text
+from crl.io import atomic_write_json, atomic_write_text
 from crl.tracking import MetricLogger, plot_curves
 from crl.modules.generation import SamplingParams, make_backend
 from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm
@@ -52,7 +50,7 @@ from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.objectives.distributed import all_reduce_sum
 from crl.prompts import EOS
-from crl.warm_start import demonstration_batch, nll_loss
+from crl.warm_start import warm_start
 
 TOKEN_KEYS = ["tokens", "attention_mask"]
 
@@ -202,19 +200,12 @@ def main(argv=None) -> None:
     logger = MetricLogger(run_dir, cfg, enabled=is_main, resume_step=resume_meta["iteration"] + 1 if resume_meta else None)
     if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
         suite = build_suite(cfg, lengths[0])
-        engine = CompactionEngine(build_compaction_config(cfg, suite), encode, eos_id=eos)
-        opt = torch.optim.Adam(lm.parameters(), lr=cfg.warm_start.lr)
-        rng = random.Random(cfg.train.seed)  # same demonstrations on every rank: weights stay identical
-        bar = tqdm(range(cfg.warm_start.steps), desc="warm start", disable=not (is_main and cfg.logging.progress))
-        for step in bar:
-            loss = nll_loss(TensorDictModule(actor_net, TOKEN_KEYS, ["log_prob", "entropy"]), demonstration_batch(suite, engine, encode, eos, cfg.warm_start.batch_episodes, rng))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            bar.set_postfix(nll=f"{loss.item():.3f}")
-            if step % 10 == 0 or step == cfg.warm_start.steps - 1:
-                logger.log({"warm_start/nll": loss.item()}, step=step - cfg.warm_start.steps)
-        opt.zero_grad(set_to_none=True)  # no warm-start gradient may leak into the first PPO step
+        w = cfg.warm_start
+        warm_start(
+            TensorDictModule(actor_net, TOKEN_KEYS, ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite), encode, eos,
+            steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed, log=logger.log,
+            progress=is_main and cfg.logging.progress,
+        )
     critic_net = ValueModel.from_actor(lm, share_backbone=cfg.model.share_critic_backbone)  # the paper's init
     frozen_lm = copy.deepcopy(lm).eval().requires_grad_(False) if cfg.algo.frozen_summary else None
 
@@ -343,6 +334,8 @@ def main(argv=None) -> None:
 
         # 3. critic steps, then policy steps, each normalised by the step's global token count
         grad_norms = {"actor": [], "critic": []}
+        normalizers = {"actor": [], "critic": []}  # the global counts each optimizer step divided by (evidence)
+        prefix_of = {id(policy_loss): "actor", id(critic_loss): "critic"}
         metrics: dict[str, list] = {}
 
         def record(outs, prefix):
@@ -351,7 +344,7 @@ def main(argv=None) -> None:
                     if key != "loss":
                         metrics.setdefault(f"{prefix}{key}", []).append(float(val.detach()))
 
-        def step_with(loss_module, model, opt, td, loss_key):
+        def step_with(loss_module, model, opt, td):
             mbs = split_rows(td, cfg.train.micro_batches)
             norm = loss_module.normalizer(mbs, dp_gradient_average=world > 1)
 
@@ -360,10 +353,11 @@ def main(argv=None) -> None:
                 out["loss"] = sum(v for k, v in out.items() if k.startswith("loss_"))
                 return out
 
+            normalizers[prefix_of[id(loss_module)]].append({"num_tokens": norm.num_tokens, "num_segments": norm.num_segments, "num_microbatches": norm.num_microbatches, "grad_scale": norm.grad_scale})
             return optimizer_step(accelerator, model, opt, mbs, loss_fn, cfg.train.max_grad_norm, use_ds)
 
         for _ in range(cfg.train.critic_updates):
-            gn, outs = step_with(critic_loss, critic_model, critic_opt, batch, "loss_critic")
+            gn, outs = step_with(critic_loss, critic_model, critic_opt, batch)
             grad_norms["critic"].append(gn)
             record(outs, "critic/")
         if it >= cfg.train.critic_warmup_iterations:
@@ -372,9 +366,12 @@ def main(argv=None) -> None:
                 perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + it))]
                 for chunk in perm.tensor_split(cfg.train.policy_minibatches):
                     mb = batch[torch.isin(batch["rollout_id"], chunk)]
-                    gn, outs = step_with(policy_loss, actor_model, actor_opt, mb, "loss_objective")
+                    gn, outs = step_with(policy_loss, actor_model, actor_opt, mb)
                     grad_norms["actor"].append(gn)
                     record(outs, "policy/")
+
+        if cfg.model.backend != "transformers":  # an external engine (vLLM) holds its own copy of the weights
+            collector.update_policy_weights_(lm.state_dict())
 
         # 4. metrics, evaluation, curriculum, evidence, checkpoint
         n_ep = max(stats["episodes"], 1)
@@ -429,6 +426,8 @@ def main(argv=None) -> None:
                     "world_size": world,
                     "checkpoint": str(ckpt.relative_to(run_dir)),
                     "aggregation": a.aggregation,
+                    "normalizers": normalizers,
+                    "local_optimized_tokens": int(batch["loss_mask"].sum()),
                 }
                 write_evidence(run_dir, it, rank, rollout, batch.exclude("log_prob", "entropy"), grad_norms, meta)
             rotate_checkpoints()

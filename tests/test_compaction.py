@@ -202,3 +202,18 @@ def test_tail_reaches_back_past_the_previous_resume(toy_tokenizer):
     tail = [t for t, p in zip(ids, prov) if p == Provenance.COPIED_TAIL]
     assert tail == [tok.word("act2"), tok.word("obs2"), tok.word("act3"), tok.word("obs3")]
     assert ctx.kept_recent == [1, 2, 2]
+
+
+def test_cached_length_equals_context_through_steps_and_compactions(toy_tokenizer):
+    tok = toy_tokenizer
+    eng = make_engine(tok, context_capacity=60, min_remaining=20, max_summary_tokens=3, max_compactions=5, keep_recent=2)
+    ctx = eng.start("task words here")
+    for i in range(30):
+        d = ctx.append_step(*act(ctx, tok, n=1 + i % 3), " ".join(["o"] * (i % 4)))
+        assert len(ctx) == len(ctx.context_ids)
+        if d is Decision.COMPACT:
+            ctx.apply_summary([tok.word("s")] * (1 + i % 2), [-0.1] * (1 + i % 2))
+            assert len(ctx) == len(ctx.context_ids)
+        elif d is Decision.TRUNCATE:
+            break
+    assert ctx.n_compactions >= 2

@@ -135,7 +135,6 @@ def test_next_reveals_items_then_repeats_question(suite):
 
 
 def test_texts_are_lowercase_single_spaced(suite):
-    rng = random.Random(0)
     for task in suite.all_tasks()[:20]:
         env = suite.make_env(task)
         texts = [env.reset(), task.question, env.oracle_summary(), *task.items]

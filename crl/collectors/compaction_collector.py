@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-import torch
 from tensordict import TensorDict
 from tqdm.auto import tqdm
 
