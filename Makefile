@@ -21,7 +21,7 @@ test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 train: setup
-	$(PY) scripts/demo_compaction.py
+	$(PY) scripts/train.py --config configs/default.yaml
 
 clean:
 	rm -rf $(VENV)

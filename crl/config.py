@@ -103,6 +103,7 @@ class WarmStartConfig:
     steps: int = 200
     batch_episodes: int = 16
     lr: float = 3e-3
+    summary_content: str = "random"  # random | untrained (see crl/warm_start.py): never the correct content
 
 
 @dataclass
@@ -156,6 +157,7 @@ CHOICES = {
     "algo.boundary": ("terminal", "bootstrap"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
+    "warm_start.summary_content": ("random", "untrained"),
 }
 
 

@@ -7,8 +7,10 @@ contain, which is what CompactionRL is meant to learn:
 
 * demonstration episodes follow the environment's oracle; at each compaction the oracle's (correct) summary is
   copied into the resume context, but its tokens are FROZEN_SUMMARY (loss mask 0), never trained;
-* for each of those compaction points a separate summary segment with the *right format but random content*
-  (``env.format_only_summary``) is trained;
+* for each of those compaction points a separate summary segment in the right format (``env.format_only_summary``)
+  is trained — with ``summary_content="random"`` on all its tokens (the content is random), with
+  ``"untrained"`` on its structure only: a position whose token changes between independent format-only draws
+  is content and stays out of the loss (``code 3``: ``code`` and ``<|end|>`` are trained, the digit is not);
 * every other batch plays the same tasks without compaction, so the policy also learns to answer from an
   observation it can still see (a protocol skill, not a summary).
 
@@ -31,7 +33,13 @@ from crl.compaction import CompactionConfig, CompactionEngine, Decision
 from crl.episode import EpisodeStatus, build_episode, concat_episodes
 
 
-def demonstration_batch(suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random) -> TensorDict:
+FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format tokens from content tokens
+SUMMARY_CONTENT = ("random", "untrained")
+
+
+def demonstration_batch(
+    suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = "random"
+) -> TensorDict:
     """``n_episodes`` oracle episodes on random train tasks, plus the format-only summary segments."""
     rows = []
     tasks = suite.tasks("train")
@@ -48,11 +56,18 @@ def demonstration_batch(suite, engine: CompactionEngine, encode, eos_id: int, n_
                 break
             if decision is Decision.COMPACT:
                 correct = list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id]
-                shaped = list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id]
-                extra.append(ctx.summary_segment(shaped, [0.0] * len(shaped)))
+                draws = [list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id] for _ in range(FORMAT_DRAWS)]
+                shaped = draws[0]
+                row = build_episode([ctx.summary_segment(shaped, [0.0] * len(shaped))], 0, 0.0, EpisodeStatus.TRUNCATED)
+                if summary_content == "untrained":
+                    start = int(row["attention_mask"].sum()) - len(shaped)
+                    for i in range(len(shaped) - 1):  # the closing EOS is always format
+                        if any(len(d) != len(shaped) or d[i] != shaped[i] for d in draws):
+                            row["loss_mask"][0, start + i] = False
+                extra.append(row)
                 ctx.apply_summary(correct, [0.0] * len(correct), frozen=True)
         rows.append(build_episode(ctx.segments(), 0, 0.0, EpisodeStatus.TRUNCATED))
-        rows += [build_episode([seg], 0, 0.0, EpisodeStatus.TRUNCATED) for seg in extra]
+        rows += extra
     return concat_episodes(rows)
 
 
@@ -74,6 +89,7 @@ def warm_start(
     batch_episodes: int,
     lr: float,
     seed: int,
+    summary_content: str = "random",
     log: Callable[[dict, int], None] | None = None,
     progress: bool = True,
 ) -> float:
@@ -92,7 +108,7 @@ def warm_start(
     loss = torch.tensor(float("nan"))
     bar = tqdm(range(steps), desc="warm start", disable=not progress)
     for step in bar:
-        batch = demonstration_batch(suite, engines[step % 2], encode, eos_id, batch_episodes, rng)
+        batch = demonstration_batch(suite, engines[step % 2], encode, eos_id, batch_episodes, rng, summary_content)
         loss = nll_loss(actor_module, batch)
         opt.zero_grad()
         loss.backward()
@@ -101,4 +117,4 @@ def warm_start(
         if log is not None and (step % 10 == 0 or step == steps - 1):
             log({"warm_start/nll": loss.item()}, step - steps)
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())

@@ -203,7 +203,7 @@ def main(argv=None) -> None:
         w = cfg.warm_start
         warm_start(
             TensorDictModule(actor_net, TOKEN_KEYS, ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite), encode, eos,
-            steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed, log=logger.log,
+            steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed, summary_content=w.summary_content, log=logger.log,
             progress=is_main and cfg.logging.progress,
         )
     critic_net = ValueModel.from_actor(lm, share_backbone=cfg.model.share_critic_backbone)  # the paper's init

@@ -88,7 +88,7 @@ class MemoryChainSuite(TaskSuite):
         code = str(rng.randrange(self.n_facts))
         noise = [f"noise : the {rng.choice(NOUNS)} is {rng.choice(COLOURS)}" for _ in range(self.length)]
         prompt = (
-            f"the first item is a fact . then {self.length} noise items follow , then the question . "
+            "the first item is a fact . then noise items follow , then the question . "  # no digit: the code is the only number an episode shows
             "remember the code and submit it ."
         )
         return Task(

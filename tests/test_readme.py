@@ -1,0 +1,28 @@
+"""The README's quickstart runs as written, and the commands it promises exist."""
+import re
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_quickstart_runs_and_trains_both_networks():
+    block = re.search(r"## Quickstart.*?```python\n(.*?)```", README, re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, "README quickstart", "exec"), scope)
+    out, td, actor, critic = scope["out"], scope["td"], scope["actor"], scope["critic"]
+    assert torch.isfinite(out["loss_objective"]) and torch.isfinite(out["loss_critic"])
+    assert (td["advantage"][~td["loss_mask"]] == 0).all() and (td["advantage"][td["loss_mask"]] != 0).any()
+    for net in (actor, critic):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+
+
+def test_readme_names_the_two_commands_and_ci_runs_the_test_one():
+    assert "make train" in README and "make test" in README
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^train:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    for path in re.findall(r"`((?:configs|scripts|benchmarks)/[\w./]+\.(?:py|yaml|json))`", README):
+        assert (ROOT / path).exists(), path
