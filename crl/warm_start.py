@@ -98,9 +98,9 @@ def warm_start(
     Deterministic given ``seed``: every data-parallel rank computes the same weights. Returns the last loss.
     Gradients are cleared at the end so none leaks into the first PPO step.
     """
-    engines = [
-        CompactionEngine(compaction, encode, eos_id=eos_id),
+    engines = [  # compaction-free demonstrations first: reading a visible fact is the easier skill
         CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id),
+        CompactionEngine(compaction, encode, eos_id=eos_id),
     ]
     params = [p for p in actor_module.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)

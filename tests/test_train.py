@@ -58,7 +58,7 @@ def test_deepspeed_zero2_two_processes_then_audit_passes(tmp_path):
     run_dir = tmp_path / "ds"
     run([
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
-        "--main_process_port", "29547", *train_cmd(run_dir, "train.iterations=2", "warm_start.steps=60", "warm_start.batch_episodes=8",
+        "--main_process_port", "29547", *train_cmd(run_dir, "train.iterations=2", "warm_start.steps=150",
                                                    "train.episodes_per_batch=6")[1:],
     ])
     for it in ("iter_000000", "iter_000001"):
