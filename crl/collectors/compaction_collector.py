@@ -170,6 +170,9 @@ class CompactionCollector:
     def collect(self) -> TensorDict:
         """Play ``episodes_per_batch`` episodes to the end and return their validated segment rows."""
         t0 = time.perf_counter()
+        self.backend.clear_prefix_cache()  # the weights may have changed since the last batch
+        if self.summary_backend is not None:
+            self.summary_backend.clear_prefix_cache()
         live: list[_Live] = []
         done: list[tuple[_Live, EpisodeStatus, float]] = []
         for _ in range(self.episodes_per_batch):
@@ -201,9 +204,10 @@ class CompactionCollector:
                 [ep.ctx.summary_request_ids if is_sum else ep.ctx.context_ids for ep, is_sum in rows],
                 [ep.ctx.summary_budget if is_sum else min(self.max_action_tokens, ep.ctx.remaining) for ep, is_sum in rows],
                 self.sampling,
+                cache_keys=[ep.rollout_id for ep, _ in rows],
             )
             frozen_gens = (
-                self.summary_backend.generate([ep.ctx.summary_request_ids for ep in frozen_rows], [ep.ctx.summary_budget for ep in frozen_rows], self.sampling)
+                self.summary_backend.generate([ep.ctx.summary_request_ids for ep in frozen_rows], [ep.ctx.summary_budget for ep in frozen_rows], self.sampling, cache_keys=[ep.rollout_id for ep in frozen_rows])
                 if frozen_rows
                 else []
             )

@@ -44,8 +44,15 @@ class Generation:
 class GenerationBackend(Protocol):
     """What a collector needs from an inference engine."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt, at most ``max_new_tokens[i]`` tokens for prompt ``i``."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingParams, cache_keys=None) -> list[Generation]:
+        """Sample one continuation per prompt, at most ``max_new_tokens[i]`` tokens for prompt ``i``.
+
+        ``cache_keys`` (optional, one hashable per prompt, e.g. the episode id) lets a backend reuse the keys
+        and values it computed for an earlier prompt of the same key that is a prefix of this one.
+        """
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (call whenever the weights may have changed)."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Take new policy weights (between collection batches)."""
@@ -72,6 +79,13 @@ class TransformersBackend:
 
     Prompts are left-padded (position ids count real tokens only, so a padded row sees exactly the positions
     it would see alone). Rows stop independently on a stop token or on their own budget.
+
+    Prefix cache: with ``cache_keys``, the keys/values of each row's prompt and generated tokens are kept per
+    key; the next prompt of that key that extends them only runs its new tokens through the model (an agent's
+    context grows by one action and one observation per step). Rows are laid out as
+    ``[padding | cached prefix | padding | new tokens]`` with explicit position ids, so every real token sees
+    exactly the positions and keys it would see alone. The cache is only valid for the weights that built it:
+    :meth:`clear_prefix_cache` (the collector calls it at the start of every batch; :meth:`load_state_dict` too).
     """
 
     def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, device: str | torch.device = "cpu"):
@@ -81,12 +95,24 @@ class TransformersBackend:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # transformers 5.x renamed `past_key_values` to `cache`; accept both so GPU users' versions work.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.clear_prefix_cache()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.model.load_state_dict(state_dict)
+        self.clear_prefix_cache()
+
+    def clear_prefix_cache(self) -> None:
+        self._prefix: dict = {}  # key -> (token ids, [(K, V) per layer], each [heads, length, head_dim])
+
+    def _reusable(self, key, prompt) -> int:
+        """Length of the cached prefix usable for ``prompt`` (0: none); at least one new token must remain."""
+        hit = self._prefix.get(key) if key is not None else None
+        if hit is None or len(hit[0]) >= len(prompt) or list(prompt[: len(hit[0])]) != hit[0]:
+            return 0
+        return len(hit[0])
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
         n = len(prompts)
         if n == 0:
             return []
@@ -99,19 +125,42 @@ class TransformersBackend:
             raise ValueError("empty prompt: a prompt must hold at least one token")
         was_training = self.model.training
         self.model.eval()
-        width = max(len(p) for p in prompts)
+        keys = list(cache_keys) if cache_keys is not None else [None] * n
+        if len(keys) != n:
+            raise ValueError(f"{n} prompts but {len(keys)} cache keys")
+        reuse = [self._reusable(k, p) for k, p in zip(keys, prompts)]
+        cached_w = max(reuse)
+        suffixes = [list(p[r:]) for p, r in zip(prompts, reuse)]
+        width = max(len(x) for x in suffixes)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((n, width), dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
+        mask = torch.zeros((n, cached_w + width), dtype=torch.long, device=self.device)
+        positions = torch.zeros((n, width), dtype=torch.long, device=self.device)
+        for i, (x, r) in enumerate(zip(suffixes, reuse)):
+            ids[i, width - len(x):] = torch.as_tensor(x, dtype=torch.long)
+            mask[i, cached_w - r: cached_w] = 1
+            mask[i, cached_w + width - len(x):] = 1
+            positions[i, width - len(x):] = torch.arange(r, r + len(x))
+        past = None
+        if cached_w:
+            from transformers import DynamicCache
+
+            past = DynamicCache()
+            n_layers = len(next(h for h, r in zip((self._prefix.get(k) for k in keys), reuse) if r)[1])
+            for layer in range(n_layers):
+                k_ref, v_ref = next(h[1][layer] for h, r in zip((self._prefix.get(k) for k in keys), reuse) if r)
+                K = k_ref.new_zeros((n, k_ref.shape[0], cached_w, k_ref.shape[-1]))
+                V = v_ref.new_zeros((n, v_ref.shape[0], cached_w, v_ref.shape[-1]))
+                for i, (k, r) in enumerate(zip(keys, reuse)):
+                    if r:
+                        K[i, :, cached_w - r:], V[i, :, cached_w - r:] = self._prefix[k][1][layer][0][:, :r], self._prefix[k][1][layer][1][:, :r]
+                past.update(K, V, layer)
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         out_tokens = torch.full((n, int(budgets.max())), self.pad_token_id, dtype=torch.long, device=self.device)
         out_logp = torch.zeros((n, int(budgets.max())), device=self.device)
         lengths = torch.zeros(n, dtype=torch.long, device=self.device)
         alive = torch.ones(n, dtype=torch.bool, device=self.device)
         stopped = torch.zeros(n, dtype=torch.bool, device=self.device)
-        past, step_ids, positions = None, ids, (mask.cumsum(-1) - 1).clamp(min=0)
+        step_ids = ids
         for t in range(int(budgets.max())):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_kw: past})
             past = out[self._cache_kw]
@@ -130,6 +179,15 @@ class TransformersBackend:
             mask = torch.cat([mask, alive.long().unsqueeze(-1)], dim=-1)
             positions = (positions[:, -1:] + 1)
             step_ids = token.unsqueeze(-1)
+        if cache_keys is not None:  # keep each row's real tokens: the prompt and every generated token fed back
+            full_mask = mask.bool()
+            layers = past.layers if hasattr(past, "layers") else [type("L", (), {"keys": k, "values": v}) for k, v in zip(past.key_cache, past.value_cache)]
+            for i, key in enumerate(keys):
+                real = full_mask[i, : layers[0].keys.shape[2]]
+                fed = list(prompts[i]) + out_tokens[i, : max(int(lengths[i]) - 1, 0)].tolist()
+                kv = [(layer.keys[i][:, real].clone(), layer.values[i][:, real].clone()) for layer in layers]
+                if kv[0][0].shape[1] == len(fed):
+                    self._prefix[key] = (fed, kv)
         if was_training:
             self.model.train()
         return [
@@ -156,11 +214,14 @@ class VLLMBackend:
         self.seed = seed
         self.llm = vllm.LLM(model=model_path, seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
 
+    def clear_prefix_cache(self) -> None:
+        """vLLM's own prefix caching (``enable_prefix_caching``) manages its cache."""
+
     def load_state_dict(self, state_dict: dict) -> None:
         weights = list(state_dict.items())
         self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights))
 
-    def generate(self, prompts, max_new_tokens, params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
         vllm = self._vllm
         requests = [
             vllm.SamplingParams(
