@@ -73,8 +73,14 @@ def make_accelerator(cfg: Config):
     ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of segments per backward
     ds["gradient_accumulation_steps"] = cfg.train.micro_batches  # we call backward+step per micro-batch
     ds["gradient_clipping"] = cfg.train.max_grad_norm
-    plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds)) for name in ("actor", "critic")}
-    return Accelerator(deepspeed_plugins=plugins), ds
+    # zero3_init_flag=False: build full weights on every rank (warm start and the critic's copy of the actor
+    # need them); ZeRO-3 partitions them at prepare(). Models too large for one rank need zero.Init instead.
+    plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds), zero3_init_flag=False) for name in ("actor", "critic")}
+    accelerator = Accelerator(deepspeed_plugins=plugins)
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # accelerate registers the config with transformers, whose from_config would then zero.Init
+    return accelerator, ds
 
 
 def split_rows(td: TensorDict, n: int) -> list[TensorDict]:
@@ -112,15 +118,14 @@ def optimizer_step(accelerator, model, optimizer, micro_batches, loss_fn, max_gr
     return norm, outs
 
 
-def gathered(models, stage3: bool):
-    """ZeRO-3 partitions parameters: gather them for generation (a no-op context otherwise)."""
-    if not stage3:
-        import contextlib
-
-        return contextlib.nullcontext()
+def sync_generation_weights(engine, gen_lm) -> None:
+    """ZeRO-3 partitions the actor's parameters: gather them (one collective, every rank at once) into the
+    plain copy the generation backend samples from. Sampling through the engine itself would make every
+    rank run the same number of forwards, which episodes of different lengths do not."""
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters([p for m in models for p in m.parameters()], modifier_rank=None)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        gen_lm.load_state_dict({k.removeprefix("lm."): v for k, v in engine.module.state_dict().items()})
 
 
 def episode_stats(collector) -> dict:
@@ -209,6 +214,7 @@ def main(argv=None) -> None:
     critic_net = ValueModel.from_actor(lm, share_backbone=cfg.model.share_critic_backbone)  # the paper's init
     frozen_lm = copy.deepcopy(lm).eval().requires_grad_(False) if cfg.algo.frozen_summary else None
 
+    gen_lm = copy.deepcopy(lm).eval().requires_grad_(False) if stage3 else lm  # what the collector samples from
     actor_opt = torch.optim.Adam(actor_net.parameters(), lr=cfg.train.actor_lr, weight_decay=cfg.train.weight_decay)
     critic_opt = torch.optim.Adam(critic_net.parameters(), lr=cfg.train.critic_lr, weight_decay=cfg.train.weight_decay)
     if use_ds:
@@ -230,7 +236,7 @@ def main(argv=None) -> None:
     critic_loss = CompactionPPOLoss(None, critic, clip_value=a.clip_value, **ppo_kwargs)
 
     sampling = SamplingParams(temperature=cfg.model.temperature, top_p=cfg.model.top_p, stop_token_ids=(eos,))
-    backend = make_backend(cfg.model.backend, model=lm, seed=cfg.train.seed * 1000 + rank) if cfg.model.backend == "transformers" else make_backend(cfg.model.backend, model_path=cfg.model.preset)
+    backend = make_backend(cfg.model.backend, model=gen_lm, seed=cfg.train.seed * 1000 + rank) if cfg.model.backend == "transformers" else make_backend(cfg.model.backend, model_path=cfg.model.preset)
     frozen_backend = make_backend("transformers", model=frozen_lm, seed=cfg.train.seed * 1000 + 500 + rank) if frozen_lm is not None else None
 
     def make_collector(split, length, episodes, in_order, params, seed):
@@ -250,8 +256,7 @@ def main(argv=None) -> None:
         """Success rate on the dev split (tasks in order, split across ranks)."""
         col = make_collector("dev", length, eval_per_rank, True, eval_params, cfg.train.seed + 7)
         actor_model.eval()
-        with gathered([lm], stage3):
-            col.collect()
+        col.collect()
         stats = reduce_stats(episode_stats(col))
         return stats["success"] / max(stats["episodes"], 1)
 
@@ -262,6 +267,8 @@ def main(argv=None) -> None:
         start_iter, stage = state["iteration"] + 1, state["stage"]
         collector = make_collector("train", lengths[stage], cfg.train.episodes_per_batch, False, sampling, cfg.train.seed)
         collector.load_state_dict(state["collectors"][rank])
+        if stage3:
+            sync_generation_weights(actor_model, gen_lm)
         backend.generator.set_state(state["generators"][rank]["policy"])
         if frozen_backend is not None:
             frozen_backend.generator.set_state(state["generators"][rank]["frozen"])
@@ -319,8 +326,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         # 1. collect with the current weights
         actor_model.eval()
-        with gathered([lm], stage3):
-            rollout = collector.collect()
+        rollout = collector.collect()
         actor_model.train()
         col_stats = dict(collector.last_stats)
         stats = reduce_stats(episode_stats(collector))
@@ -370,7 +376,9 @@ def main(argv=None) -> None:
                     grad_norms["actor"].append(gn)
                     record(outs, "policy/")
 
-        if cfg.model.backend != "transformers":  # an external engine (vLLM) holds its own copy of the weights
+        if stage3:
+            sync_generation_weights(actor_model, gen_lm)
+        elif cfg.model.backend != "transformers":  # an external engine (vLLM) holds its own copy of the weights
             collector.update_policy_weights_(lm.state_dict())
 
         # 4. metrics, evaluation, curriculum, evidence, checkpoint

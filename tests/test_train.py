@@ -53,12 +53,13 @@ def test_one_iteration_end_to_end(tmp_path):
     assert not list((run_dir / "checkpoints").glob(".*tmp"))
 
 
-def test_deepspeed_zero2_two_processes_then_audit_passes(tmp_path):
-    """The CI end-to-end check: 2 CPU ranks, ZeRO-2, PPO updates on compacted episodes, then the audit."""
+@pytest.mark.parametrize("stage, port", [(2, 29547), (3, 29549)])
+def test_deepspeed_two_processes_then_audit_passes(tmp_path, stage, port):
+    """The CI end-to-end check: 2 CPU ranks, ZeRO-2 / ZeRO-3, PPO updates on compacted episodes, then the audit."""
     run_dir = tmp_path / "ds"
     run([
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
-        "--main_process_port", "29547", *train_cmd(run_dir, "train.iterations=2", "warm_start.steps=150",
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/cpu_zero{stage}.yaml",
+        "--main_process_port", str(port), *train_cmd(run_dir, "train.iterations=2", "warm_start.steps=150",
                                                    "train.episodes_per_batch=6")[1:],
     ])
     for it in ("iter_000000", "iter_000001"):
@@ -146,7 +147,7 @@ def test_contradictory_choices_and_cli_message(tmp_path):
     with pytest.raises(ConfigValidationError, match="algo.frozen_summary"):
         load_config(ROOT / "configs" / "default.yaml", ["algo.frozen_summary=true", "compaction.enabled=false"])
     with pytest.raises(ConfigValidationError, match="max_compactions"):
-        load_config(ROOT / "configs" / "default.yaml", ["env.length=96", "compaction.max_compactions=2"])
+        load_config(ROOT / "configs" / "default.yaml", ["env.length=96", "env.compaction_steps=null", "compaction.max_compactions=2"])
     proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'never'}", "algo.aggregation=mean"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "config error: algo.aggregation" in proc.stderr
     assert not (tmp_path / "never").exists()  # refused before anything is written
