@@ -151,3 +151,16 @@ def test_contradictory_choices_and_cli_message(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'never'}", "algo.aggregation=mean"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "config error: algo.aggregation" in proc.stderr
     assert not (tmp_path / "never").exists()  # refused before anything is written
+
+
+def test_curriculum_promotes_and_evaluates_both_lengths(tmp_path):
+    """Stage 0 promotes at once (promote_at=0); stage 1 is the target the dev success is measured on."""
+    run(train_cmd(tmp_path / "cur", "train.iterations=2", "env.compaction_steps=null",
+                  "train.curriculum=[{length: 2, promote_at: 0.0}, {length: 4, promote_at: 1.1}]"))
+    recs = metrics(tmp_path / "cur")
+    stages = [r["curriculum/stage"] for r in recs if r["step"] >= 1]
+    assert stages == [0.0, 1.0]  # iteration 1 ran in stage 0, promoted after it, iteration 2 in the last stage
+    assert "dev/success_stage" in recs[-1] and "dev/success" in recs[-1]
+    ev = load_episodes(tmp_path / "cur" / "evidence" / "iter_000001" / "rank_0" / "rollout.pt")
+    # length 4 -> compactions after steps 1, 2, 3: at least 7 segments for an episode that runs to the end
+    assert int(ev["segment_index"].max()) >= 4
