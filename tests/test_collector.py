@@ -134,3 +134,12 @@ def test_state_dict_resumes_episode_ids(lm):
     b = collector(lm, episodes_per_batch=2)
     b.load_state_dict(a.state_dict())
     assert b.collect()["rollout_id"].min() == 2
+
+
+def test_in_order_tasks_are_disjoint_across_ranks(lm):
+    seen = []
+    for rank in (0, 1):
+        col = collector(lm, rank=rank, world_size=2, episodes_per_batch=3, tasks_in_order=True)
+        col.collect()
+        seen.append({e.task_id for e in col.last_episodes})
+    assert len(seen[0]) == len(seen[1]) == 3 and not seen[0] & seen[1]

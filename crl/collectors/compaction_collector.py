@@ -150,8 +150,8 @@ class CompactionCollector:
 
     # ------------------------------------------------------------------ one batch
     def _next_task(self, n: int):
-        if self.tasks_in_order:
-            return self.tasks[n % len(self.tasks)]
+        if self.tasks_in_order:  # by global episode id: ranks play disjoint tasks
+            return self.tasks[(self.rank + self.world_size * n) % len(self.tasks)]
         return random.Random(f"{self.seed}|{self.rank}|{n}").choice(self.tasks)
 
     def _step_env(self, env, action: str):
