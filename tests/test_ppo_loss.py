@@ -150,7 +150,7 @@ def test_microbatch_token_mean_depends_on_the_split():
     n = [int(p["num_tokens"]) for p in parts]
     want = sum(float(p["sum_objective"]) / k for p, k in zip(parts, n)) / 2
     torch.testing.assert_close(sum(float(p["loss_objective"].detach()) for p in parts), want, rtol=1e-12, atol=0)
-    assert abs(want - float(whole[0]["loss_objective"])) > 1e-6
+    assert abs(want - float(whole[0]["loss_objective"].detach())) > 1e-6
 
 
 # ----------------------------------------------------------------------------------------------------------
