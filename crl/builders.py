@@ -4,6 +4,10 @@ Shared by ``scripts/train.py``, the config validator and the tests, so every ent
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
 from crl.compaction import CompactionConfig, CompactionEngine
 from crl.envs import MemoryChainSuite, SequentialRecordsSuite
 from crl.prompts import EOS
@@ -41,11 +45,41 @@ def stage_lengths(cfg) -> list[int | None]:
     return [s.length for s in cfg.train.curriculum] or [None]
 
 
+@dataclass(frozen=True)
+class TextCodec:
+    """The tokenizer as the rest of the run uses it: text <-> ids without added special tokens, EOS, vocab size."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+    eos_id: int
+    vocab_size: int
+
+
+def build_tokenizer(cfg) -> TextCodec:
+    """The project's shipped tokenizer for presets; a local checkpoint's own tokenizer when it has one."""
+    path = Path(cfg.model.preset)
+    if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {path} has no EOS token; actions and summaries need one to stop")
+        return TextCodec(
+            lambda text: tok.encode(text, add_special_tokens=False),
+            lambda ids: tok.decode(list(ids), skip_special_tokens=False),
+            int(tok.eos_token_id),
+            len(tok),
+        )
+    from crl.modules import tokenizer as project
+
+    tok = project.load_tokenizer()
+    return TextCodec(project.encode, project.decode, tok.convert_tokens_to_ids(EOS), len(tok))
+
+
 def check_budgets(cfg) -> None:
     """Build every stage's compaction engine and start one episode: impossible budgets raise ``ConfigError``."""
-    from crl.modules.tokenizer import encode, load_tokenizer
-
-    eos = load_tokenizer().convert_tokens_to_ids(EOS)
+    codec = build_tokenizer(cfg)
+    encode, eos = codec.encode, codec.eos_id
     for length in stage_lengths(cfg):
         suite = build_suite(cfg, length)
         engine = CompactionEngine(build_compaction_config(cfg, suite), encode, eos_id=eos)

@@ -37,7 +37,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from tqdm.auto import tqdm
 
-from crl.builders import build_compaction_config, build_suite, stage_lengths
+from crl.builders import build_compaction_config, build_suite, build_tokenizer, stage_lengths
 from crl.collectors import CompactionCollector
 from crl.config import Config, ConfigValidationError, load_config, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
@@ -46,10 +46,8 @@ from crl.io import atomic_write_json, atomic_write_text
 from crl.tracking import MetricLogger, plot_curves
 from crl.modules.generation import SamplingParams, make_backend
 from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm
-from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.objectives.distributed import all_reduce_sum
-from crl.prompts import EOS
 from crl.warm_start import warm_start
 
 TOKEN_KEYS = ["tokens", "attention_mask"]
@@ -183,11 +181,11 @@ def main(argv=None) -> None:
         atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
 
     # ---- tokenizer, models (identical initialisation on every rank), warm start
-    tok = load_tokenizer()
-    eos = tok.convert_tokens_to_ids(EOS)
+    codec = build_tokenizer(cfg)  # the shipped tokenizer, or a local checkpoint's own
+    encode, decode, eos = codec.encode, codec.decode, codec.eos_id
     C = cfg.compaction.context_capacity
     torch.manual_seed(cfg.train.seed)
-    lm = build_causal_lm(cfg.model.preset, vocab_size=len(tok), max_positions=C, eos_token_id=eos, seed=cfg.train.seed)
+    lm = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=C, eos_token_id=eos, seed=cfg.train.seed)
     if getattr(lm.config, "max_position_embeddings", C) < C:
         sys.exit(f"config error: compaction.context_capacity={C} exceeds the model's max_position_embeddings={lm.config.max_position_embeddings}")
     actor_net = CausalLMLogProbs(lm, cfg.model.temperature)

@@ -164,3 +164,18 @@ def test_curriculum_promotes_and_evaluates_both_lengths(tmp_path):
     ev = load_episodes(tmp_path / "cur" / "evidence" / "iter_000001" / "rank_0" / "rollout.pt")
     # length 4 -> compactions after steps 1, 2, 3: at least 7 segments for an episode that runs to the end
     assert int(ev["segment_index"].max()) >= 4
+
+
+def test_local_checkpoint_with_its_own_tokenizer(tmp_path):
+    """model.preset = a local directory: weights and tokenizer come from it (no hub); one iteration runs."""
+    from crl.modules.models import build_causal_lm
+    from crl.modules.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    ckpt = tmp_path / "ckpt"
+    build_causal_lm("llama-tiny", vocab_size=len(tok), max_positions=512, eos_token_id=tok.eos_token_id, seed=5).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    run(train_cmd(tmp_path / "run", f"model.preset={ckpt}"))
+    assert metrics(tmp_path / "run")[-1]["step"] == 1
+    with pytest.raises(ConfigValidationError, match="model.preset"):
+        load_config(ROOT / "configs" / "default.yaml", [f"model.preset={tmp_path / 'missing'}"])
