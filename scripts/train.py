@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -128,7 +129,6 @@ def sync_generation_weights(engine, gen_lm) -> None:
 
 def episode_stats(collector) -> dict:
     eps = collector.last_episodes
-    n = max(len(eps), 1)
     return {
         "episodes": len(eps),
         "success": sum(e.reward > 0 for e in eps),
@@ -139,7 +139,7 @@ def episode_stats(collector) -> dict:
         "compactions": sum(e.n_compactions for e in eps),
         "segments": sum(e.n_segments for e in eps),
         "steps": sum(e.n_steps for e in eps),
-    } if n else {}
+    }
 
 
 def reduce_stats(stats: dict) -> dict:
@@ -339,16 +339,10 @@ def main(argv=None) -> None:
         # 3. critic steps, then policy steps, each normalised by the step's global token count
         grad_norms = {"actor": [], "critic": []}
         normalizers = {"actor": [], "critic": []}  # the global counts each optimizer step divided by (evidence)
-        prefix_of = {id(policy_loss): "actor", id(critic_loss): "critic"}
         metrics: dict[str, list] = {}
 
-        def record(outs, prefix):
-            for out in outs:
-                for key, val in out.items():
-                    if key != "loss":
-                        metrics.setdefault(f"{prefix}{key}", []).append(float(val.detach()))
-
-        def step_with(loss_module, model, opt, td):
+        def step_with(name, loss_module, model, opt, td, prefix):
+            """One optimizer step of ``name`` ("actor" / "critic") on ``td``; records norms and metrics."""
             mbs = split_rows(td, cfg.train.micro_batches)
             norm = loss_module.normalizer(mbs, dp_gradient_average=world > 1)
 
@@ -357,22 +351,23 @@ def main(argv=None) -> None:
                 out["loss"] = sum(v for k, v in out.items() if k.startswith("loss_"))
                 return out
 
-            normalizers[prefix_of[id(loss_module)]].append({"num_tokens": norm.num_tokens, "num_segments": norm.num_segments, "num_microbatches": norm.num_microbatches, "grad_scale": norm.grad_scale})
-            return optimizer_step(accelerator, model, opt, mbs, loss_fn, cfg.train.max_grad_norm, use_ds)
+            normalizers[name].append(dataclasses.asdict(norm))
+            gn, outs = optimizer_step(accelerator, model, opt, mbs, loss_fn, cfg.train.max_grad_norm, use_ds)
+            grad_norms[name].append(gn)
+            for out in outs:
+                for key, val in out.items():
+                    if key != "loss":
+                        metrics.setdefault(f"{prefix}{key}", []).append(float(val.detach()))
 
         for _ in range(cfg.train.critic_updates):
-            gn, outs = step_with(critic_loss, critic_model, critic_opt, batch)
-            grad_norms["critic"].append(gn)
-            record(outs, "critic/")
+            step_with("critic", critic_loss, critic_model, critic_opt, batch, "critic/")
         if it >= cfg.train.critic_warmup_iterations:
             rollouts = batch["rollout_id"].unique()
             for _ in range(cfg.train.policy_epochs):
                 perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + it))]
                 for chunk in perm.tensor_split(cfg.train.policy_minibatches):
                     mb = batch[torch.isin(batch["rollout_id"], chunk)]
-                    gn, outs = step_with(policy_loss, actor_model, actor_opt, mb)
-                    grad_norms["actor"].append(gn)
-                    record(outs, "policy/")
+                    step_with("actor", policy_loss, actor_model, actor_opt, mb, "policy/")
 
         if stage3:
             sync_generation_weights(actor_model, gen_lm)
