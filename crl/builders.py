@@ -1,6 +1,6 @@
 """From a validated :class:`crl.config.Config` to the objects a run needs: suites, compaction configs, models.
 
-Shared by ``scripts/train.py``, the config validator and the tests, so every entry point builds the same thing.
+Shared by :class:`crl.trainer.Trainer`, the benchmarks and the tests, so every entry point builds the same thing.
 """
 from __future__ import annotations
 
@@ -76,12 +76,20 @@ def build_tokenizer(cfg) -> TextCodec:
     return TextCodec(project.encode, project.decode, tok.convert_tokens_to_ids(EOS), len(tok))
 
 
-def check_budgets(cfg) -> None:
-    """Build every stage's compaction engine and start one episode: impossible budgets raise ``ConfigError``."""
-    codec = build_tokenizer(cfg)
-    encode, eos = codec.encode, codec.eos_id
-    for length in stage_lengths(cfg):
-        suite = build_suite(cfg, length)
-        engine = CompactionEngine(build_compaction_config(cfg, suite), encode, eos_id=eos)
-        for split in ("train", "dev"):
-            engine.start(suite.tasks(split)[0].prompt)
+def check_budgets(cfg, codec: TextCodec) -> None:
+    """Build every stage's compaction engine and start one episode of each split with the run's tokenizer.
+
+    Token budgets depend on token lengths, so this runs when a trainer is built (not when a config is loaded).
+    Raises :class:`crl.config.ConfigValidationError` with the engine's arithmetic (``|s| + ... > C``).
+    """
+    from crl.compaction import ConfigError
+    from crl.config import ConfigValidationError
+
+    try:
+        for length in stage_lengths(cfg):
+            suite = build_suite(cfg, length)
+            engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id)
+            for split in ("train", "dev"):
+                engine.start(suite.tasks(split)[0].prompt)
+    except ConfigError as err:
+        raise ConfigValidationError(f"compaction: {err}") from None

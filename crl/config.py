@@ -2,8 +2,10 @@
 
 ``load_config(path, overrides)`` merges ``configs/default.yaml``-style files (with an optional ``defaults:``
 list of other files to layer first, relative to the file) and ``key=value`` overrides onto the schema below,
-then validates. Unknown keys, wrong types, impossible budgets and contradictory choices fail here, at load
-time, with a message that names the key — never mid-run.
+then validates. Unknown keys, wrong types and contradictory choices fail here, at load time, with a message
+that names the key — never mid-run. Loading is pure: it builds no model and no tokenizer. The checks that need
+them (token budgets, the model's context length) run when :class:`crl.trainer.Trainer` is built, before the
+run directory is written.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from crl.modules.presets import PRESETS
 
 
 class ConfigValidationError(ValueError):
@@ -218,8 +222,6 @@ def validate(cfg: Config) -> None:
     _need(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algo.clip_eps_low/high", "must be > 0")
     _need(a.clip_value is None or a.clip_value > 0, "algo.clip_value", "must be > 0 or null")
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
-    from crl.modules.models import PRESETS
-
     _need(cfg.model.preset in PRESETS or Path(cfg.model.preset).is_dir(), "model.preset", f"{cfg.model.preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
     _need(not (cfg.model.backend == "vllm" and cfg.model.preset in PRESETS), "model.backend", "vllm serves a checkpoint directory; presets use the transformers backend")
     _need(cfg.model.temperature > 0, "model.temperature", "must be > 0 (behaviour log-probs need a proper distribution)")
@@ -240,14 +242,7 @@ def validate(cfg: Config) -> None:
     _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
     if cfg.deepspeed.config is not None:
         _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")
-    # Budgets: build the engine once, it refuses impossible numbers with the arithmetic in the message.
-    from crl.builders import check_budgets
-    from crl.compaction import ConfigError
-
-    try:
-        check_budgets(cfg)
-    except ConfigError as err:
-        raise ConfigValidationError(f"compaction: {err}") from None
+    # Token budgets need token lengths (the run's tokenizer): crl.builders.check_budgets, when a Trainer is built.
 
 
 def to_yaml(cfg: Config) -> str:

@@ -1,5 +1,6 @@
-"""scripts/train.py end to end, as users run it (subprocesses): one iteration, DeepSpeed ZeRO-2 on two CPU
-processes followed by the evidence audit, kill-and-resume determinism, every ablation config, bad configs."""
+"""scripts/train.py as users run it (subprocesses, where the process boundary is the point): DeepSpeed ZeRO-2/3
+on two CPU processes followed by the evidence audit, kill-and-resume determinism, config errors on the command
+line. In-process tests of the trainer itself: tests/test_trainer.py."""
 import json
 import os
 import signal
@@ -35,22 +36,6 @@ def run(cmd, timeout=900):
 
 def metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_one_iteration_end_to_end(tmp_path):
-    run(train_cmd(tmp_path / "run"))
-    run_dir = tmp_path / "run"
-    last = metrics(run_dir)[-1]
-    assert last["step"] == 1
-    for key in ("train/success", "episode/compactions", "critic/loss_critic", "grad_norm/critic", "dev/success", "perf/collect_tokens_per_s"):
-        assert key in last, key
-    assert (run_dir / "curves.png").stat().st_size > 10_000
-    ev = run_dir / "evidence" / "iter_000000" / "rank_0"
-    rollout, trained = load_episodes(ev / "rollout.pt"), load_episodes(ev / "training.pt")
-    assert torch.equal(rollout["tokens"], trained["tokens"]) and "advantage" in trained.keys()
-    ckpt = run_dir / "checkpoints" / "iter_000000"
-    assert {"actor.pt", "critic.pt", "actor_config.json", "trainer_state.pt", "meta.json"} <= {p.name for p in ckpt.iterdir()}
-    assert not list((run_dir / "checkpoints").glob(".*tmp"))
 
 
 @pytest.mark.parametrize("stage, port", [(2, 29547), (3, 29549)])
@@ -109,15 +94,6 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
     assert comparable(a, steps) == comparable(b, steps)
 
 
-ABLATIONS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "ablations").glob("*.yaml"))
-
-
-@pytest.mark.parametrize("config", ["configs/default.yaml", *ABLATIONS])
-def test_each_config_loads_and_runs_one_iteration(tmp_path, config):
-    run(train_cmd(tmp_path / "run", config=config))
-    assert metrics(tmp_path / "run")[-1]["step"] == 1
-
-
 def test_paper_config_loads():
     cfg = load_config(ROOT / "configs" / "paper.yaml", ["model.preset=llama-tiny"])
     assert cfg.compaction.context_capacity == 65536 and cfg.train.actor_lr == 2e-6 and cfg.train.critic_warmup_iterations == 50
@@ -129,8 +105,6 @@ def test_paper_config_loads():
         ("train.no_such_key=1", "train.no_such_key"),
         ("algo.lambda_length=tokens", "algo.lambda_length"),
         ("train.iterations=many", "train.iterations"),
-        ("compaction.context_capacity=80", "compaction"),
-        ("compaction.min_remaining=2000", "compaction"),
         ("algo.boundary=bootstrap", "algo.boundary"),
         ("algo.lmbda=0.9", "algo.alpha/algo.lmbda"),
         ("model.preset=/no/such/dir", "model.preset"),
@@ -146,36 +120,6 @@ def test_bad_configs_fail_at_load_naming_the_key(override, key):
 def test_contradictory_choices_and_cli_message(tmp_path):
     with pytest.raises(ConfigValidationError, match="algo.frozen_summary"):
         load_config(ROOT / "configs" / "default.yaml", ["algo.frozen_summary=true", "compaction.enabled=false"])
-    with pytest.raises(ConfigValidationError, match="max_compactions"):
-        load_config(ROOT / "configs" / "default.yaml", ["env.length=96", "env.compaction_steps=null", "compaction.max_compactions=2"])
     proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'never'}", "algo.aggregation=mean"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "config error: algo.aggregation" in proc.stderr
     assert not (tmp_path / "never").exists()  # refused before anything is written
-
-
-def test_curriculum_promotes_and_evaluates_both_lengths(tmp_path):
-    """Stage 0 promotes at once (promote_at=0); stage 1 is the target the dev success is measured on."""
-    run(train_cmd(tmp_path / "cur", "train.iterations=2", "env.compaction_steps=null",
-                  "train.curriculum=[{length: 2, promote_at: 0.0}, {length: 4, promote_at: 1.1}]"))
-    recs = metrics(tmp_path / "cur")
-    stages = [r["curriculum/stage"] for r in recs if r["step"] >= 1]
-    assert stages == [0.0, 1.0]  # iteration 1 ran in stage 0, promoted after it, iteration 2 in the last stage
-    assert "dev/success_stage" in recs[-1] and "dev/success" in recs[-1]
-    ev = load_episodes(tmp_path / "cur" / "evidence" / "iter_000001" / "rank_0" / "rollout.pt")
-    # length 4 -> compactions after steps 1, 2, 3: at least 7 segments for an episode that runs to the end
-    assert int(ev["segment_index"].max()) >= 4
-
-
-def test_local_checkpoint_with_its_own_tokenizer(tmp_path):
-    """model.preset = a local directory: weights and tokenizer come from it (no hub); one iteration runs."""
-    from crl.modules.models import build_causal_lm
-    from crl.modules.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    ckpt = tmp_path / "ckpt"
-    build_causal_lm("llama-tiny", vocab_size=len(tok), max_positions=512, eos_token_id=tok.eos_token_id, seed=5).save_pretrained(ckpt)
-    tok.save_pretrained(ckpt)
-    run(train_cmd(tmp_path / "run", f"model.preset={ckpt}"))
-    assert metrics(tmp_path / "run")[-1]["step"] == 1
-    with pytest.raises(ConfigValidationError, match="model.preset"):
-        load_config(ROOT / "configs" / "default.yaml", [f"model.preset={tmp_path / 'missing'}"])

@@ -1,0 +1,516 @@
+"""``crl.trainer``: the CompactionRL training loop as a library (DESIGN.md §1–§6).
+
+    from crl.config import load_config
+    from crl.trainer import Trainer
+
+    Trainer(load_config("configs/default.yaml", ["train.iterations=5"])).fit()
+
+One iteration (``Trainer.fit`` reads top to bottom; every phase is a method you can call on its own):
+
+1. :meth:`Trainer.collect` — every data-parallel rank plays ``train.episodes_per_batch`` compacted episodes
+   (globally unique rollout ids) with the current weights;
+2. :meth:`Trainer.compute_advantages` — the critic writes ``state_value``, :class:`CrossTrajectoryGAE` writes
+   ``advantage`` and ``value_target`` (per segment: rollouts may span ranks);
+3. :meth:`Trainer.update_critic` — ``train.critic_updates`` critic steps; :meth:`Trainer.update_policy` — after
+   ``train.critic_warmup_iterations``, ``policy_epochs`` × ``policy_minibatches`` policy steps; each optimizer step
+   is normalised by the optimized-token count of the whole step over all ranks and micro-batches (Eq. 12);
+4. :meth:`Trainer.sync_policy_weights` — the sampler sees the updated weights;
+5. :meth:`Trainer.evaluate`, curriculum, :meth:`Trainer.save_checkpoint` and :meth:`Trainer.write_evidence`.
+
+Building a ``Trainer`` runs every model-dependent check (token budgets, context length vs the model's
+positions) *before* the run directory is written, then writes ``RUN_DIR/config.yaml``, builds the models,
+runs the warm start (or resumes from the newest checkpoint) and the collectors. Layout of the run directory:
+:mod:`crl.evidence`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+if "DS_ACCELERATOR" not in os.environ:  # must be set before DeepSpeed is first imported
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed on CPU (gloo) for laptops and CI
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from tqdm.auto import tqdm
+
+from crl.builders import build_compaction_config, build_suite, build_tokenizer, check_budgets, stage_lengths
+from crl.collectors import CompactionCollector
+from crl.config import Config, ConfigValidationError, to_dict, to_yaml
+from crl.episode import EpisodeStatus, SegmentKind
+from crl.evidence import checkpoint_dir, write_evidence
+from crl.io import atomic_write_json, atomic_write_text
+from crl.modules.generation import SamplingParams, make_backend
+from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm
+from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
+from crl.objectives.distributed import all_reduce_sum
+from crl.tracking import MetricLogger, plot_curves
+from crl.warm_start import warm_start
+
+__all__ = ["Trainer", "make_accelerator", "split_rows"]
+
+MODEL_INPUT_KEYS = ["tokens", "attention_mask"]  # what the actor and the critic read from a segment row
+
+
+def make_accelerator(cfg: Config):
+    """Plain accelerate, or two DeepSpeed engines (actor, critic) from one DeepSpeed JSON (DESIGN §9).
+
+    Returns ``(accelerator, deepspeed_config_or_None)``.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    ds_file = cfg.deepspeed.config
+    if ds_file is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")  # `accelerate launch --use_deepspeed ...`
+        if not ds_file:
+            raise ConfigValidationError("--use_deepspeed needs --deepspeed_config_file (e.g. configs/deepspeed/zero2.json)")
+    if ds_file is None:
+        return Accelerator(cpu=not torch.cuda.is_available()), None
+    ds = json.loads(Path(ds_file).read_text())
+    ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two below and the world size
+    ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of segments per backward
+    ds["gradient_accumulation_steps"] = cfg.train.micro_batches  # we call backward+step per micro-batch
+    ds["gradient_clipping"] = cfg.train.max_grad_norm
+    # zero3_init_flag=False: build full weights on every rank (warm start and the critic's copy of the actor
+    # need them); ZeRO-3 partitions them at prepare(). Models too large for one rank need zero.Init instead.
+    plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds), zero3_init_flag=False) for name in ("actor", "critic")}
+    accelerator = Accelerator(deepspeed_plugins=plugins)
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # accelerate registers the config with transformers, whose from_config would then zero.Init
+    return accelerator, ds
+
+
+def split_rows(td: TensorDict, n: int) -> list[TensorDict]:
+    """Exactly ``n`` micro-batches (DeepSpeed needs the same count on every rank); an empty one is a zero-weight row."""
+    parts = []
+    for idx in np.array_split(np.arange(td.batch_size[0]), n):
+        if len(idx):
+            parts.append(td[torch.as_tensor(idx)])
+        else:  # a row with no optimized token: a real forward/backward that contributes nothing
+            empty = td[:1].clone()
+            empty["loss_mask"].zero_()
+            parts.append(empty)
+    return parts
+
+
+def episode_stats(episodes) -> dict:
+    """Counts over one rank's :class:`~crl.collectors.compaction_collector.EpisodeSummary` list (summed over ranks later)."""
+    return {
+        "episodes": len(episodes),
+        "success": sum(e.reward > 0 for e in episodes),
+        "reward": sum(e.reward for e in episodes),
+        "completed": sum(e.status == EpisodeStatus.COMPLETED for e in episodes),
+        "truncated": sum(e.status == EpisodeStatus.TRUNCATED for e in episodes),
+        "failed": sum(e.status == EpisodeStatus.FAILED for e in episodes),
+        "compactions": sum(e.n_compactions for e in episodes),
+        "segments": sum(e.n_segments for e in episodes),
+        "steps": sum(e.n_steps for e in episodes),
+    }
+
+
+def reduce_stats(stats: dict) -> dict:
+    """Sum per-rank counts over data-parallel ranks."""
+    keys = sorted(stats)
+    vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64))
+    return dict(zip(keys, vec.tolist()))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "meta.json").is_file())
+    return done[-1] if done else None
+
+
+class Trainer:
+    """CompactionRL on one process or many (accelerate / DeepSpeed ZeRO-2/3). See the module docstring.
+
+    Attributes users touch: ``cfg``, ``run_dir``, ``rank``/``world``, ``lm`` (the policy's causal LM), ``actor`` /
+    ``critic`` (``TensorDictModule`` s over :data:`MODEL_INPUT_KEYS`), ``estimator``, ``policy_loss`` /
+    ``critic_loss``, ``collector``, ``logger``, ``stage`` (curriculum), ``start_iteration``.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.accelerator, self.ds_config = make_accelerator(cfg)
+        self.use_ds = self.ds_config is not None
+        self.stage3 = self.use_ds and self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        if torch.distributed.is_initialized():  # accelerate reports 1 process for DeepSpeed on CPU (DESIGN §9)
+            self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.is_main = self.rank == 0
+        if self.use_ds and cfg.model.share_critic_backbone:
+            raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed (two engines cannot share parameters)")
+        torch.set_num_threads(cfg.train.threads)
+        self.run_dir = Path(cfg.run_dir)
+
+        # ---- model-dependent checks, before anything is written
+        self.codec = build_tokenizer(cfg)  # the shipped tokenizer, or a local checkpoint's own
+        check_budgets(cfg, self.codec)
+        C = cfg.compaction.context_capacity
+        torch.manual_seed(cfg.train.seed)
+        self.lm = build_causal_lm(cfg.model.preset, vocab_size=self.codec.vocab_size, max_positions=C, eos_token_id=self.codec.eos_id, seed=cfg.train.seed)
+        if getattr(self.lm.config, "max_position_embeddings", C) < C:
+            raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's max_position_embeddings={self.lm.config.max_position_embeddings}")
+        self.lengths = stage_lengths(cfg)
+        self.stage = 0
+        resume_from = self._find_resume_checkpoint()
+
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.yaml", to_yaml(cfg))
+        resume_meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
+        self.logger = MetricLogger(self.run_dir, cfg, enabled=self.is_main, resume_step=resume_meta["iteration"] + 1 if resume_meta else None)
+
+        # ---- policy (warm-started), critic (initialised from the policy: the paper's init), optimizers, engines
+        actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature)
+        if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
+            self.warm_start(actor_net)
+        critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone)
+        self.frozen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if cfg.algo.frozen_summary else None
+        self.gen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if self.stage3 else self.lm  # what the collector samples from
+        t = cfg.train
+        actor_opt = torch.optim.Adam(actor_net.parameters(), lr=t.actor_lr, weight_decay=t.weight_decay)
+        critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
+        if self.use_ds:
+            self.accelerator.state.select_deepspeed_plugin("actor")
+            self.actor_model, self.actor_opt = self.accelerator.prepare(actor_net, actor_opt)
+            self.accelerator.state.select_deepspeed_plugin("critic")
+            self.critic_model, self.critic_opt = self.accelerator.prepare(critic_net, critic_opt)
+        else:
+            self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = self.accelerator.prepare(actor_net, critic_net, actor_opt, critic_opt)
+        self.actor = TensorDictModule(self.actor_model, MODEL_INPUT_KEYS, ["log_prob", "entropy"])
+        self.critic = TensorDictModule(self.critic_model, MODEL_INPUT_KEYS, ["state_value"])
+
+        # ---- estimator and losses (DESIGN §4–§5)
+        a = cfg.algo
+        self.estimator = CrossTrajectoryGAE(
+            gamma=a.gamma, alpha=a.alpha, lmbda=a.lmbda, lambda_length=a.lambda_length, cross_trajectory=a.cross_trajectory,
+            value_target=a.value_target, boundary=a.boundary, whiten=a.whiten_advantage,
+        )
+        ppo_kwargs = dict(eps_low=a.clip_eps_low, eps_high=a.clip_eps_high, aggregation=a.aggregation)
+        self.policy_loss = CompactionPPOLoss(self.actor, None, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, **ppo_kwargs)
+        self.critic_loss = CompactionPPOLoss(None, self.critic, clip_value=a.clip_value, **ppo_kwargs)
+
+        # ---- samplers and collectors
+        eos = self.codec.eos_id
+        self.sampling = SamplingParams(temperature=cfg.model.temperature, top_p=cfg.model.top_p, stop_token_ids=(eos,))
+        self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.model.top_p, stop_token_ids=(eos,))
+        seed = cfg.train.seed
+        if cfg.model.backend == "transformers":
+            self.backend = make_backend("transformers", model=self.gen_lm, seed=seed * 1000 + self.rank)
+        else:
+            self.backend = make_backend(cfg.model.backend, model_path=cfg.model.preset)
+        self.frozen_backend = make_backend("transformers", model=self.frozen_lm, seed=seed * 1000 + 500 + self.rank) if self.frozen_lm is not None else None
+        self.collector = self.make_collector("train", self.lengths[self.stage])
+
+        self.start_iteration = 0
+        self._pinned: set[Path] = set()  # checkpoints referenced by evidence are never rotated away
+        if resume_from is not None:
+            self.resume(resume_from)
+
+    # ------------------------------------------------------------------------------------------ set-up phases
+    def _find_resume_checkpoint(self) -> Path | None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "auto":
+            return latest_checkpoint(self.run_dir)
+        if resume == "never":
+            return None
+        path = Path(resume)
+        if not (path / "meta.json").is_file():
+            raise ConfigValidationError(f"checkpoint.resume={resume} is not a complete checkpoint directory")
+        return path
+
+    def warm_start(self, actor_net: CausalLMLogProbs) -> float:
+        """Supervised protocol/format warm start of the policy (:mod:`crl.warm_start`); returns the last NLL."""
+        cfg, w = self.cfg, self.cfg.warm_start
+        suite = build_suite(cfg, self.lengths[0])
+        return warm_start(
+            TensorDictModule(actor_net, MODEL_INPUT_KEYS, ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
+            self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
+            summary_content=w.summary_content, log=self.logger.log, progress=self.is_main and cfg.logging.progress,
+        )
+
+    def make_collector(self, split: str, length, *, evaluation: bool = False) -> CompactionCollector:
+        """A collector of ``split`` at task ``length``: training (sampled tasks) or evaluation (tasks in order, split across ranks)."""
+        cfg = self.cfg
+        suite = build_suite(cfg, length)
+        return CompactionCollector(
+            suite, split, self.backend, self.codec.encode, self.codec.decode, self.codec.eos_id, build_compaction_config(cfg, suite),
+            episodes_per_batch=math.ceil(cfg.eval.episodes / self.world) if evaluation else cfg.train.episodes_per_batch,
+            sampling=self.eval_sampling if evaluation else self.sampling, max_action_tokens=cfg.model.max_action_tokens,
+            summary_backend=self.frozen_backend, rank=self.rank, world_size=self.world,
+            seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
+            progress=self.is_main and cfg.logging.progress,
+        )
+
+    def resume(self, checkpoint: Path) -> None:
+        """Restore optimizers, engines, curriculum stage, collector counters and sampler RNGs from ``checkpoint``."""
+        state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+        self.accelerator.load_state(str(checkpoint / "accelerate"))
+        self.start_iteration, self.stage = state["iteration"] + 1, state["stage"]
+        self.collector = self.make_collector("train", self.lengths[self.stage])
+        self.collector.load_state_dict(state["collectors"][self.rank])
+        if self.stage3:
+            self._gather_generation_weights()
+        self.backend.generator.set_state(state["generators"][self.rank]["policy"])
+        if self.frozen_backend is not None:
+            self.frozen_backend.generator.set_state(state["generators"][self.rank]["frozen"])
+            self.frozen_lm.load_state_dict(torch.load(checkpoint / "frozen_actor.pt", weights_only=True))
+        if self.is_main:
+            print(f"resumed from {checkpoint} at iteration {self.start_iteration}")
+
+    # ------------------------------------------------------------------------------------------ the loop's phases
+    def collect(self) -> TensorDict:
+        """Play one batch of training episodes with the current weights; ``self.last_episode_stats`` = counts over all ranks."""
+        self.actor_model.eval()
+        rollout = self.collector.collect()
+        self.actor_model.train()
+        self.last_episode_stats = reduce_stats(episode_stats(self.collector.last_episodes))
+        return rollout
+
+    def compute_advantages(self, rollout: TensorDict) -> TensorDict:
+        """A copy of ``rollout`` with the critic's ``state_value`` and the estimator's ``advantage``/``value_target``."""
+        batch = rollout.clone()
+        with torch.no_grad():
+            values = [self.critic(mb.select(*MODEL_INPUT_KEYS).clone())["state_value"] for mb in split_rows(batch, self.cfg.train.micro_batches)]
+        batch["state_value"] = torch.cat(values)[: batch.batch_size[0]] * batch["loss_mask"]
+        return self.estimator(batch)
+
+    def update_critic(self, batch: TensorDict) -> None:
+        """``train.critic_updates`` critic optimizer steps on the whole batch."""
+        for _ in range(self.cfg.train.critic_updates):
+            self._optimizer_step("critic", batch)
+
+    def update_policy(self, batch: TensorDict, iteration: int) -> None:
+        """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
+        t = self.cfg.train
+        rollouts = batch["rollout_id"].unique()
+        for _ in range(t.policy_epochs):
+            perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(t.seed * 7919 + iteration))]
+            for chunk in perm.tensor_split(t.policy_minibatches):
+                self._optimizer_step("actor", batch[torch.isin(batch["rollout_id"], chunk)])
+
+    def sync_policy_weights(self) -> None:
+        """Give the sampler the updated policy (ZeRO-3: gather the partitioned weights; vLLM: push them)."""
+        if self.stage3:
+            self._gather_generation_weights()
+        elif self.cfg.model.backend != "transformers":  # an external engine (vLLM) holds its own copy of the weights
+            self.collector.update_policy_weights_(self.lm.state_dict())
+
+    def evaluate(self, length=None) -> float:
+        """Success rate on the dev split at task ``length`` (default: the final curriculum length), all ranks together."""
+        col = self.make_collector("dev", self.lengths[-1] if length is None else length, evaluation=True)
+        self.actor_model.eval()
+        col.collect()
+        stats = reduce_stats(episode_stats(col.last_episodes))
+        return stats["success"] / max(stats["episodes"], 1)
+
+    def advance_curriculum(self, train_success: float) -> bool:
+        """Move to the next curriculum stage when ``train_success`` reaches its ``promote_at``; keeps episode counters."""
+        if self.stage + 1 >= len(self.lengths) or train_success < self.cfg.train.curriculum[self.stage].promote_at:
+            return False
+        self.stage += 1
+        counters = self.collector.state_dict()
+        self.collector = self.make_collector("train", self.lengths[self.stage])
+        self.collector.load_state_dict(counters)
+        return True
+
+    # ------------------------------------------------------------------------------------------ optimizer steps
+    def _optimizer_step(self, name: str, td: TensorDict) -> None:
+        """One optimizer step of ``name`` ("actor" / "critic") on ``td``: backward per micro-batch, clip, step.
+
+        Every micro-batch's loss is its masked *sum* divided by the step's global token count (all micro-batches,
+        all ranks), so the gradient does not depend on how the batch is split. Records the pre-clipping grad
+        norm, the normalizer (evidence) and the loss module's metrics in ``self.step_log``.
+        """
+        loss_module, model, opt, prefix = {
+            "actor": (self.policy_loss, self.actor_model, self.actor_opt, "policy/"),
+            "critic": (self.critic_loss, self.critic_model, self.critic_opt, "critic/"),
+        }[name]
+        mbs = split_rows(td, self.cfg.train.micro_batches)
+        norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
+        outs = []
+        for mb in mbs:
+            out = loss_module(mb, normalizer=norm)
+            loss = sum(v for k, v in out.items() if k.startswith("loss_"))
+            if self.use_ds:
+                model.backward(loss, scale_wrt_gas=False)  # the loss is already normalised by the step's global counts
+                model.step()  # DeepSpeed steps (and clips) at the accumulation boundary only
+            else:
+                self.accelerator.backward(loss)
+            outs.append(out)
+        if self.use_ds:
+            gn = model.get_global_grad_norm()
+            gn = float(gn) if gn is not None else float("nan")
+        else:
+            gn = float(self.accelerator.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        log = self.step_log
+        log["grad_norms"][name].append(gn)
+        log["normalizers"][name].append(dataclasses.asdict(norm))
+        for out in outs:
+            for key, val in out.items():
+                log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
+
+    def _reset_step_log(self) -> None:
+        self.step_log = {"grad_norms": {"actor": [], "critic": []}, "normalizers": {"actor": [], "critic": []}, "metrics": {}}
+
+    def _gather_generation_weights(self) -> None:
+        """ZeRO-3 partitions the actor's parameters: gather them (one collective, every rank at once) into the
+        plain copy the generation backend samples from. Sampling through the engine itself would make every
+        rank run the same number of forwards, which episodes of different lengths do not."""
+        import deepspeed
+
+        engine = self.actor_model
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            self.gen_lm.load_state_dict({k.removeprefix("lm."): v for k, v in engine.module.state_dict().items()})
+
+    # ------------------------------------------------------------------------------------------ metrics
+    def iteration_metrics(self, batch: TensorDict, t0: float) -> dict:
+        """Episode outcomes, token counts per segment kind and the mean of every loss metric of this iteration."""
+        stats = self.last_episode_stats
+        n_ep = max(stats["episodes"], 1)
+        optimized = batch["loss_mask"]
+        kind = batch["segment_kind"].unsqueeze(-1)
+        tok_exec = float(all_reduce_sum(((kind == SegmentKind.EXECUTION) & optimized).sum()))
+        tok_sum = float(all_reduce_sum(((kind == SegmentKind.SUMMARY) & optimized).sum()))
+        log = {
+            "train/success": stats["success"] / n_ep,
+            "train/reward": stats["reward"] / n_ep,
+            "train/truncated_frac": stats["truncated"] / n_ep,
+            "train/failed_frac": stats["failed"] / n_ep,
+            "episode/compactions": stats["compactions"] / n_ep,
+            "episode/segments": stats["segments"] / n_ep,
+            "episode/steps": stats["steps"] / n_ep,
+            "tokens/execution_per_episode": tok_exec / n_ep,
+            "tokens/summary_per_episode": tok_sum / n_ep,
+            "perf/collect_tokens_per_s": self.collector.last_stats["generated_tokens_per_s"],
+            "perf/iteration_s": time.perf_counter() - t0,
+            "curriculum/stage": self.stage,
+        }
+        for key, vals in self.step_log["metrics"].items():
+            finite = [v for v in vals if math.isfinite(v)]
+            if finite and not key.split("/")[-1].startswith(("sum_", "num_")):
+                log[key] = float(np.mean(finite))
+        for name in ("actor", "critic"):
+            if self.step_log["grad_norms"][name]:
+                log[f"grad_norm/{name}"] = float(np.mean(self.step_log["grad_norms"][name]))
+        return log
+
+    # ------------------------------------------------------------------------------------------ checkpoints, evidence
+    def save_checkpoint(self, iteration: int) -> Path:
+        """Consolidated weights + accelerate state, built under a temporary name and renamed when complete."""
+        acc, run_dir = self.accelerator, self.run_dir
+        final = checkpoint_dir(run_dir, iteration)
+        tmp = final.with_name(f".{final.name}.tmp")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp / "accelerate"))
+        actor_sd = acc.get_state_dict(self.actor_model)
+        critic_sd = acc.get_state_dict(self.critic_model)
+        mine = {"policy": self.backend.generator.get_state(), "frozen": self.frozen_backend.generator.get_state() if self.frozen_backend else None}
+        gens, cols = [None] * self.world, [None] * self.world
+        if torch.distributed.is_initialized():
+            torch.distributed.all_gather_object(gens, mine)
+            torch.distributed.all_gather_object(cols, self.collector.state_dict())
+        else:
+            gens, cols = [mine], [self.collector.state_dict()]
+        if self.is_main:
+            torch.save({k.removeprefix("lm."): v for k, v in actor_sd.items()}, tmp / "actor.pt")
+            torch.save(critic_sd, tmp / "critic.pt")
+            atomic_write_json(tmp / "actor_config.json", self.lm.config.to_dict())
+            if self.frozen_lm is not None:
+                torch.save(self.frozen_lm.state_dict(), tmp / "frozen_actor.pt")
+            torch.save({"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens}, tmp / "trainer_state.pt")
+            atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": self.stage, "world_size": self.world, "config": to_dict(self.cfg)})
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        acc.wait_for_everyone()
+        return final
+
+    def write_evidence(self, iteration: int, rollout: TensorDict, batch: TensorDict, checkpoint: Path) -> None:
+        """This rank's evidence of ``iteration`` for the audit (DESIGN §8); pins ``checkpoint`` against rotation."""
+        a = self.cfg.algo
+        self._pinned.add(checkpoint)
+        meta = {
+            "estimator": {"gamma": a.gamma, "alpha": a.alpha, "lmbda": a.lmbda, "lambda_length": a.lambda_length,
+                          "cross_trajectory": a.cross_trajectory, "value_target": a.value_target,
+                          "boundary": a.boundary, "whiten": a.whiten_advantage},
+            "world_size": self.world,
+            "checkpoint": str(checkpoint.relative_to(self.run_dir)),
+            "aggregation": a.aggregation,
+            "normalizers": self.step_log["normalizers"],
+            "local_optimized_tokens": int(batch["loss_mask"].sum()),
+        }
+        write_evidence(self.run_dir, iteration, self.rank, rollout, batch.exclude("log_prob", "entropy"), self.step_log["grad_norms"], meta)
+
+    def rotate_checkpoints(self) -> None:
+        """Keep the newest ``checkpoint.keep_last`` checkpoints plus every one that evidence points to."""
+        if not self.is_main:
+            return
+        ckpts = sorted(p for p in (self.run_dir / "checkpoints").glob("iter_*") if p not in self._pinned)
+        for old in ckpts[: -self.cfg.checkpoint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        """Train from ``start_iteration`` to ``train.iterations`` (see the module docstring)."""
+        cfg, lengths = self.cfg, self.lengths
+        if self.start_iteration == 0 and cfg.eval.every >= 0:
+            dev = self.evaluate()
+            self.logger.log({"dev/success": dev, "dev/success_stage": self.evaluate(lengths[self.stage]) if len(lengths) > 1 else dev, "curriculum/stage": self.stage}, step=0)
+        bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", initial=self.start_iteration,
+                   total=cfg.train.iterations, disable=not (self.is_main and cfg.logging.progress))
+        for it in bar:
+            t0 = time.perf_counter()
+            self._reset_step_log()
+            rollout = self.collect()
+            batch = self.compute_advantages(rollout)
+            self.update_critic(batch)
+            if it >= cfg.train.critic_warmup_iterations:
+                self.update_policy(batch, it)
+            self.sync_policy_weights()
+
+            log = self.iteration_metrics(batch, t0)
+            last = it == cfg.train.iterations - 1
+            if (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or last:
+                log["dev/success"] = self.evaluate()
+                if len(lengths) > 1:
+                    log["dev/success_stage"] = self.evaluate(lengths[self.stage])
+            self.logger.log(log, step=it + 1)
+            bar.set_postfix(success=f"{log['train/success']:.2f}", dev=f"{log.get('dev/success', float('nan')):.2f}")
+            if self.advance_curriculum(log["train/success"]) and self.is_main:  # before the checkpoint: a resumed run continues in the new stage
+                tqdm.write(f"iteration {it + 1}: train success {log['train/success']:.2f} -> curriculum stage {self.stage} (length {lengths[self.stage]})")
+
+            evidence_now = (it + 1) % cfg.checkpoint.evidence_every == 0 or last
+            if evidence_now or (it + 1) % cfg.checkpoint.every == 0:
+                ckpt = self.save_checkpoint(it)
+                if evidence_now:
+                    self.write_evidence(it, rollout, batch, ckpt)
+                self.rotate_checkpoints()
+        self.close()
+
+    def close(self) -> None:
+        """Wait for every rank, draw the curves, finish wandb and the accelerator."""
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+            print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, checkpoints/, evidence/)")
+        self.logger.close()
+        self.accelerator.end_training()
