@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 import torch
 from tensordict import TensorDict
 
-from crl.io import atomic_write
+from crl.io import atomic_torch_save
 
 __all__ = [
     "Provenance",
@@ -399,7 +399,7 @@ def save_episodes(td: TensorDict, path: str | os.PathLike) -> None:
             payload["flat"][key] = value[keep].clone()
         else:
             raise ValueError(f"save_episodes: key {key!r} has {value.ndim} dims; only [S] and [S, T] are stored")
-    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    atomic_torch_save(path, payload)
 
 
 def load_episodes(path: str | os.PathLike) -> TensorDict:

@@ -141,3 +141,152 @@ def test_validator_message_names_rollout_for_negative_id():
     td["rollout_id"][3:] = -2
     with pytest.raises(EpisodeValidationError, match=r"rollout -2, segment 0: rollout_id must be >= 0"):
         validate_episodes(td)
+
+
+# ============================================================================================================
+# 3. files (rows "atomic writes: files 0600 and evidence dirs 0700 regardless of umask" and "unwritable
+#    run_dir, disk full at a checkpoint: raw OSError / iostream error; an 11 MB .iter_N.tmp left")
+# ============================================================================================================
+
+from crl import io as crl_io  # noqa: E402
+from crl.io import WriteError, atomic_dir, atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text  # noqa: E402
+
+
+@pytest.fixture
+def umask():
+    """Set a umask for one test and restore the previous one."""
+    saved = os.umask(0o022)
+    os.umask(saved)
+
+    def set_(mask):
+        os.umask(mask)
+
+    yield set_
+    os.umask(saved)
+
+
+def _mode(path):
+    return os.stat(path).st_mode & 0o777
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750), (0o077, 0o600, 0o700)])
+def test_atomic_files_and_dirs_follow_the_umask(tmp_path, umask, mask, file_mode, dir_mode):
+    umask(mask)
+    assert crl_io.current_umask() == mask
+    atomic_write_text(tmp_path / "a.txt", "x")
+    atomic_write_json(tmp_path / "b.json", {"a": 1})
+    atomic_torch_save(tmp_path / "c.pt", torch.zeros(3))
+    with atomic_dir(tmp_path / "evidence" / "iter_000001") as d:
+        atomic_write_json(d / "meta.json", {})
+        torch.save(torch.zeros(2), d / "plain.pt")  # written by a library inside the dir: its own open() mode
+    for name in ("a.txt", "b.json", "c.pt"):
+        assert _mode(tmp_path / name) == file_mode, name
+    assert _mode(tmp_path / "evidence" / "iter_000001") == dir_mode
+    assert _mode(tmp_path / "evidence" / "iter_000001" / "meta.json") == file_mode
+    assert _mode(tmp_path / "evidence" / "iter_000001" / "plain.pt") == file_mode
+
+
+def test_evidence_written_by_the_trainer_path_is_0644_0755(tmp_path, umask):
+    """What the issue measured: write_evidence under umask 022 (files were 0600, dirs 0700)."""
+    from crl.evidence import write_evidence
+
+    umask(0o022)
+    td = _batch()
+    d = write_evidence(tmp_path, 1, 0, td, td, {"actor": [1.0], "critic": [1.0]}, {"checkpoint": "x"})
+    assert _mode(d) == 0o755
+    assert {p.name: _mode(p) for p in d.iterdir()} == {n: 0o644 for n in ("rollout.pt", "training.pt", "grad_norms.json", "meta.json")}
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in Path(folder).rglob("*") if p.name.endswith(".tmp") or ".tmp" in p.name)
+
+
+def test_unwritable_target_parent_is_a_file(tmp_path):
+    blocker = tmp_path / "run_dir"
+    blocker.write_text("I am a file, not a directory")
+    for write in (lambda: atomic_write_text(blocker / "config.yaml", "a: 1"),
+                  lambda: atomic_torch_save(blocker / "x.pt", torch.zeros(1)),
+                  lambda: atomic_dir(blocker / "checkpoints" / "iter_000001").__enter__()):
+        with pytest.raises(WriteError) as info:
+            write()
+        err = info.value
+        assert isinstance(err, OSError) and err.errno in (errno.ENOTDIR, errno.EEXIST)
+        msg = str(err)
+        assert "\n" not in msg and str(blocker) in msg and f"[Errno {err.errno}]" in msg
+    assert blocker.read_text() == "I am a file, not a directory"
+    assert _leftovers(tmp_path) == []
+
+
+def test_disk_full_file_removes_temp_and_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.json"
+    atomic_write_json(path, {"old": True})
+
+    def full(tmp):
+        with open(tmp, "w") as f:
+            f.write("x" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(WriteError) as info:
+        atomic_write(path, full)
+    assert info.value.errno == errno.ENOSPC
+    assert str(info.value) == f"cannot write {path}: [Errno {errno.ENOSPC}] No space left on device"
+    assert _leftovers(tmp_path) == [] and path.read_text().startswith('{\n  "old": true')
+
+
+def test_disk_full_torch_save_through_dev_full_keeps_errno(tmp_path, monkeypatch):
+    """A real ENOSPC: torch.save into /dev/full. To a *path* torch raises RuntimeError('iostream error') without
+    errno; atomic_torch_save writes through a Python file object, so the errno survives."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    real_open = open
+
+    def open_full(file, mode="r", *a, **k):
+        if str(file).endswith(".tmp") and "w" in mode:
+            return real_open("/dev/full", mode, *a, **k)
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", open_full)
+    with pytest.raises(WriteError) as info:
+        atomic_torch_save(tmp_path / "actor.pt", torch.zeros(100_000))
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC and str(tmp_path / "actor.pt") in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_torch_iostream_error_becomes_a_write_error(tmp_path, monkeypatch):
+    """torch.save(obj, path) on a full disk raises RuntimeError('basic_ios::clear: iostream error'): still one
+    WriteError line naming the path; errno ENOSPC when the file system reports no free block, else EIO."""
+    monkeypatch.setattr(crl_io.os, "statvfs", lambda p: type("S", (), {"f_bavail": 0, "f_favail": 10})())
+
+    def write(tmp):
+        Path(tmp).write_bytes(b"x" * 100)
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    with pytest.raises(WriteError) as info:
+        atomic_write(tmp_path / "actor.pt", write)
+    assert info.value.errno == errno.ENOSPC and "iostream error" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_inside_a_checkpoint_dir_removes_the_temp_dir(tmp_path):
+    """The 11 MB .iter_N.tmp row: a failure while the directory is being filled leaves nothing behind and the
+    previous directory of that name intact."""
+    final = tmp_path / "checkpoints" / "iter_000004"
+    with atomic_dir(final) as d:
+        (d / "actor.pt").write_bytes(b"old")
+    with pytest.raises(WriteError) as info:
+        with atomic_dir(final) as d:
+            (d / "actor.pt").write_bytes(b"x" * 1_000_000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert info.value.errno == errno.ENOSPC and str(final) in str(info.value)
+    assert sorted(p.name for p in final.parent.iterdir()) == ["iter_000004"]
+    assert (final / "actor.pt").read_bytes() == b"old"
+
+
+def test_non_io_errors_pass_through_unchanged(tmp_path):
+    with pytest.raises(KeyError):
+        atomic_write(tmp_path / "x", lambda tmp: {}["missing"])
+    with pytest.raises(ValueError):
+        with atomic_dir(tmp_path / "d"):
+            raise ValueError("not an I/O problem")
+    assert list(tmp_path.iterdir()) == []
