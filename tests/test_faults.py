@@ -290,3 +290,112 @@ def test_non_io_errors_pass_through_unchanged(tmp_path):
         with atomic_dir(tmp_path / "d"):
             raise ValueError("not an I/O problem")
     assert list(tmp_path.iterdir()) == []
+
+
+# ============================================================================================================
+# 4. sampling (row "model.top_p < 1: behaviour log-probs use the top-p distribution, the learner's do not: the
+#    PPO ratio does not start at 1")
+# ============================================================================================================
+
+
+@pytest.fixture(scope="module")
+def tok_lm():
+    from crl.modules.models import build_causal_lm
+    from crl.modules.tokenizer import load_tokenizer
+    from crl.prompts import EOS
+
+    tok = load_tokenizer()
+    eos = tok.convert_tokens_to_ids(EOS)
+    # a sharper-than-random policy, so that top-p keeps a real subset of the vocabulary
+    lm = build_causal_lm("llama-tiny", vocab_size=len(tok), max_positions=1024, eos_token_id=eos, seed=0)
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(40.0)
+    return tok, eos, lm
+
+
+def _top_p_batch(tok_lm, temperature, top_p, episodes=4):
+    from crl.collectors import CompactionCollector
+    from crl.compaction import CompactionConfig
+    from crl.envs import MemoryChainSuite
+    from crl.modules.generation import SamplingParams, TransformersBackend
+    from crl.modules.tokenizer import decode, encode
+
+    tok, eos, lm = tok_lm
+    suite = MemoryChainSuite(length=4, split_sizes={"train": 8, "dev": 2, "test": 2})
+    cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=suite.compaction_steps, keep_recent=2)
+    col = CompactionCollector(suite, "train", TransformersBackend(lm, seed=5), encode, decode, eos, cfg, max_action_tokens=5,
+                              episodes_per_batch=episodes, progress=False,
+                              sampling=SamplingParams(temperature=temperature, top_p=top_p))
+    return col.collect()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 0.7), (0.8, 0.7), (1.3, 0.5)])
+def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
+    """Collected rows (left-padded batched generation with a KV cache) vs the teacher-forced learner: equal to
+    1e-5 on every sampled token, so the first PPO update's ratio is exactly 1."""
+    from tensordict.nn import TensorDictModule
+
+    from crl.modules.models import CausalLMLogProbs
+
+    _, _, lm = tok_lm
+    td = _top_p_batch(tok_lm, temperature, top_p)
+    m = td["loss_mask"]
+    actor = TensorDictModule(CausalLMLogProbs(lm, temperature, top_p=top_p), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    with torch.no_grad():
+        out = actor(td.select("tokens", "attention_mask").clone())
+    torch.testing.assert_close(out["log_prob"][m], td["sample_log_prob"][m], atol=1e-5, rtol=0)
+    ratio = torch.exp(out["log_prob"][m] - td["sample_log_prob"][m])
+    assert (ratio - 1).abs().max() <= 1e-5
+    # the row as reported: a learner that ignores top-p does not start at ratio 1
+    with torch.no_grad():
+        plain = CausalLMLogProbs(lm, temperature)(td["tokens"], td["attention_mask"])[0]
+    assert (plain[m] - td["sample_log_prob"][m]).abs().max() > 1e-2
+
+
+def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finite(tok_lm):
+    from crl.modules.generation import SamplingParams, sampling_log_probs
+    from crl.modules.models import CausalLMLogProbs
+
+    _, _, lm = tok_lm
+    td = _top_p_batch(tok_lm, 1.0, 0.7, episodes=2)
+    net = CausalLMLogProbs(copy_lm(lm), 1.0, top_p=0.7)
+    tokens, attn = td["tokens"], td["attention_mask"]
+    log_prob, entropy = net(tokens, attn)
+    with torch.no_grad():
+        logits = net.lm(input_ids=tokens, attention_mask=attn.long(),
+                        position_ids=(attn.long().cumsum(-1) - 1).clamp(min=0)).logits
+        lp = sampling_log_probs(logits[:, :-1], SamplingParams(top_p=0.7))
+        p = lp.exp()
+        want = -(p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum(-1)
+    keep = attn.clone()
+    keep[:, 0] = False
+    torch.testing.assert_close(entropy[:, 1:][keep[:, 1:]], want[keep[:, 1:]], atol=1e-5, rtol=0)
+    assert torch.isfinite(log_prob).all() and torch.isfinite(entropy).all()
+    # observation tokens (not sampled) may lie outside the top-p set: finite floor, not -inf
+    assert (log_prob[~td["loss_mask"] & keep] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()
+    # move the weights so that some sampled tokens leave the top-p set, then backprop a PPO-like loss
+    with torch.no_grad():
+        for prm in net.lm.parameters():
+            prm.add_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    log_prob, entropy = net(tokens, attn)
+    m = td["loss_mask"]
+    assert (log_prob[m] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()  # some sampled tokens left the top-p set
+    ratio = torch.exp(torch.where(m, log_prob - td["sample_log_prob"], torch.zeros_like(log_prob)))
+    loss = -(torch.minimum(ratio, ratio.clamp(0.8, 1.2)) * m).sum() - 0.01 * (entropy * m).sum()
+    loss.backward()
+    grads = [prm.grad for prm in net.lm.parameters() if prm.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def copy_lm(lm):
+    import copy
+
+    return copy.deepcopy(lm)
+
+
+def test_causal_lm_log_probs_rejects_bad_top_p(tok_lm):
+    from crl.modules.models import CausalLMLogProbs
+
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="top_p"):
+            CausalLMLogProbs(tok_lm[2], 1.0, top_p=bad)
