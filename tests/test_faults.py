@@ -144,6 +144,202 @@ def test_validator_message_names_rollout_for_negative_id():
 
 
 # ============================================================================================================
+# 2. collector (rows "hanging environment step" and "env returns observation=None")
+# ============================================================================================================
+
+FAULT_HELPERS = r"""
+import time
+from crl.envs import MemoryChainSuite, StepResult
+
+HANG_STARTED = []
+
+class FaultyEnv:
+    def __init__(self, env, fault, at):
+        self.env, self.fault, self.at, self.n = env, fault, at, 0
+
+    def reset(self):
+        if self.fault == "reset-none":
+            return None
+        if self.fault == "reset-hang":
+            time.sleep(20)
+        return self.env.reset()
+
+    def step(self, action):
+        self.n += 1
+        result = self.env.step(action)
+        if self.n < self.at:
+            return result
+        f = self.fault
+        if f == "hang":
+            HANG_STARTED.append(time.time())
+            time.sleep(20)
+        if f == "spin":
+            while True:
+                pass
+        if f == "raise":
+            raise RuntimeError("env crashed")
+        if f == "observation-none":
+            return StepResult(None, result.done, result.reward, result.info)
+        if f == "observation-int":
+            return StepResult(123, result.done, result.reward, result.info)
+        if f == "not-a-step-result":
+            return {"observation": result.observation, "done": result.done}
+        if f == "tuple":
+            return (result.observation, result.done, result.reward, result.info)
+        if f == "info-none":
+            return StepResult(result.observation, result.done, result.reward, None)
+        if f == "reward-nan":
+            return StepResult(result.observation, result.done, float("nan"), result.info)
+        if f == "done-str":
+            return StepResult(result.observation, "no", result.reward, result.info)
+        return result
+
+
+class FaultySuite(MemoryChainSuite):
+    "Episode n plays task n (tasks_in_order); the env of task `bad` has `fault` from its step `at` on."
+    def __init__(self, fault, bad=1, at=2, **kw):
+        super().__init__(length=4, split_sizes={"train": 6, "dev": 2, "test": 2}, **kw)
+        self.fault, self.bad, self.at = fault, bad, at
+
+    def make_env(self, task):
+        env = super().make_env(task)
+        return FaultyEnv(env, self.fault, self.at) if task.index == self.bad else env
+
+
+def make_collector(fault, step_timeout=None, episodes=4, **kw):
+    from crl.collectors import CompactionCollector
+    from crl.compaction import CompactionConfig
+    from crl.modules.generation import TransformersBackend
+    from crl.modules.models import build_causal_lm
+    from crl.modules.tokenizer import decode, encode, load_tokenizer
+    from crl.prompts import EOS
+
+    tok = load_tokenizer()
+    eos = tok.convert_tokens_to_ids(EOS)
+    lm = build_causal_lm("llama-tiny", vocab_size=len(tok), max_positions=1024, eos_token_id=eos, seed=0)
+    suite = FaultySuite(fault, **kw)
+    cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=suite.compaction_steps, keep_recent=2)
+    return CompactionCollector(suite, "train", TransformersBackend(lm, seed=0), encode, decode, eos, cfg, max_action_tokens=5,
+                               episodes_per_batch=episodes, tasks_in_order=True, step_timeout=step_timeout, progress=False)
+"""
+_faults: dict = {}
+exec(compile(FAULT_HELPERS, "fault_helpers", "exec"), _faults)
+make_collector = _faults["make_collector"]
+
+
+def _statuses(col):
+    return {e.rollout_id: (e.status, e.error) for e in col.last_episodes}
+
+
+def _assert_only_episode_1_failed(col, td, error_name):
+    validate_episodes(td)
+    st = _statuses(col)
+    assert sorted(st) == [0, 1, 2, 3]
+    status, error = st[1]
+    assert status == EpisodeStatus.FAILED and error is not None and error.startswith(error_name), error
+    for rid in (0, 2, 3):
+        assert st[rid][0] != EpisodeStatus.FAILED and st[rid][1] is None, (rid, st[rid])
+    rows = td[td["rollout_id"] == 1]
+    assert (rows["status"] == int(EpisodeStatus.FAILED)).all() and (rows["reward"] == 0).all()
+
+
+def test_hung_step_fails_only_its_episode():
+    col = make_collector("hang", step_timeout=1.0)
+    t0 = time.perf_counter()
+    td = col.collect()
+    assert time.perf_counter() - t0 < 15  # one 1 s timeout, not the 20 s hang
+    _assert_only_episode_1_failed(col, td, "EnvStepTimeout")
+    assert "step_timeout=1.0s" in _statuses(col)[1][1] and col.abandoned_env_threads == 1
+
+
+def test_hung_reset_fails_only_its_episode():
+    col = make_collector("reset-hang", step_timeout=1.0)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "reset: EnvStepTimeout")
+
+
+def test_spinning_step_is_interrupted():
+    """A step stuck in a Python loop is stopped (async exception), so it does not eat a core for the run."""
+    import threading
+
+    before = set(threading.enumerate())  # earlier tests' sleeping threads may still be around
+    col = make_collector("spin", step_timeout=0.5)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "EnvStepTimeout")
+
+    def spinning():
+        return [t for t in threading.enumerate() if t.name == "crl-env-step" and t not in before]
+
+    deadline = time.time() + 5
+    while time.time() < deadline and spinning():
+        time.sleep(0.05)
+    assert not spinning()
+
+
+HANG_MAIN = """
+import sys, time
+col = make_collector("hang", step_timeout=1.0)
+t0 = time.perf_counter()
+td = col.collect()
+print("collected", round(time.perf_counter() - t0, 2), [e.error for e in col.last_episodes], flush=True)
+print("HANG", repr(HANG_STARTED[0]), "END", repr(time.time()), flush=True)
+"""
+
+
+def test_process_with_hung_env_exits_promptly(tmp_path):
+    """The row as measured: a 20 s hang with step_timeout 1 s kept the process alive ~26 s (the executor's
+    thread is joined at exit). Now the process exits as soon as its work is done (interpreter teardown alone
+    takes ~2 s on a loaded 2-core machine, with or without a hung env, hence the loose bound on that)."""
+    script = tmp_path / "hang.py"
+    script.write_text(FAULT_HELPERS + HANG_MAIN)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    t_exit = time.time()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hang = float(proc.stdout.split("HANG ")[1].split()[0])
+    end = float(proc.stdout.split("END ")[1].split()[0])
+    assert "EnvStepTimeout" in proc.stdout
+    assert t_exit - end < 8.0, f"process took {t_exit - end:.1f} s to exit after its work ended"
+    assert t_exit < hang + 18.0, f"exited {t_exit - hang:.1f} s after the 20 s hang began: it was waited for"
+    print(f"hung env: process exited {t_exit - end:.2f} s after its work ended, {t_exit - t0:.1f} s in all")
+
+
+MALFORMED = ["observation-none", "observation-int", "not-a-step-result", "tuple", "info-none", "reward-nan", "done-str"]
+
+
+@pytest.mark.parametrize("fault", MALFORMED)
+def test_malformed_env_output_fails_only_its_episode(fault):
+    col = make_collector(fault)  # no timeout: the check does not depend on the worker thread
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "EnvOutputError")
+
+
+def test_malformed_output_with_a_timeout_too():
+    col = make_collector("observation-none", step_timeout=5.0)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "EnvOutputError: step() returned observation=None")
+
+
+def test_reset_returning_none_fails_only_its_episode():
+    col = make_collector("reset-none")
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "reset: EnvOutputError")
+
+
+def test_env_exception_still_fails_only_its_episode():
+    col = make_collector("raise", step_timeout=5.0)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "RuntimeError: env crashed")
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "1"])
+def test_bad_step_timeout_refused(bad):
+    with pytest.raises(ValueError, match="step_timeout"):
+        make_collector("none", step_timeout=bad)
+
+
+# ============================================================================================================
 # 3. files (rows "atomic writes: files 0600 and evidence dirs 0700 regardless of umask" and "unwritable
 #    run_dir, disk full at a checkpoint: raw OSError / iostream error; an 11 MB .iter_N.tmp left")
 # ============================================================================================================
