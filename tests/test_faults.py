@@ -7,6 +7,9 @@ Sections (one per area of the table; each test names its row):
 3. files: umask-following modes, disk full / unwritable targets
 4. sampling: top-p behaviour log-probs equal the learner's (PPO ratio exactly 1 at the first update)
 5. trainer (added by the trainer-side change): resume, commit order, run-dir lock, config diff, bad inputs
+
+The audit rows ("evidence on a critic warm-up iteration", "frozen-summary runs can never PASS") are tested on
+faked evidence in tests/test_audit.py (section "issue 10"); end-to-end runs belong to section 5.
 """
 from __future__ import annotations
 
