@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 import torch
 from tensordict import TensorDict
 
-from crl.io import atomic_write
+from crl.io import atomic_torch_save
 
 __all__ = [
     "Provenance",
@@ -50,6 +50,7 @@ __all__ = [
     "PAD_TOKEN_ID",
     "SEGMENT_KEYS",
     "TOKEN_KEYS",
+    "CONTRACT_DTYPES",
     "Segment",
     "EpisodeValidationError",
     "loss_mask_from_provenance",
@@ -237,7 +238,20 @@ def _fail(rule: str, detail: str, rollout=None, segment=None) -> None:
     raise EpisodeValidationError(f"[{rule}] {prefix + ': ' if prefix else ''}{detail}")
 
 
-def validate_episodes(td: TensorDict, complete: bool = True) -> None:
+# The dtype of every contract key (README's table of the episode TensorDict; DESIGN.md §3).
+CONTRACT_DTYPES = {
+    **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status")},
+    "reward": torch.float32,
+    "tokens": torch.int64,
+    "provenance": torch.int64,
+    "attention_mask": torch.bool,
+    "loss_mask": torch.bool,
+    "sample_log_prob": torch.float32,
+    **{key: torch.float32 for key in TRAINING_TOKEN_KEYS},
+}
+
+
+def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | None = None) -> None:
     """Reject a malformed episode batch with an :class:`EpisodeValidationError` naming rollout, segment, rule.
 
     Rules (DESIGN.md §3): required keys and shapes; finite floats; the loss mask equals the provenance rule
@@ -248,6 +262,11 @@ def validate_episodes(td: TensorDict, complete: bool = True) -> None:
     gaps, kinds alternating from EXECUTION, stored ``n_after`` / ``rollout_length`` equal to their recomputation
     from the provenance, and an optimized token in every segment of a non-failed rollout unless its summary is
     frozen.
+
+    Also (issue 10): a batch of 0 segments is refused (``empty-batch``); every key has the dtype of
+    :data:`CONTRACT_DTYPES` (``dtype``: int64 ids and tokens, float32 reward / log-probs / training tensors, bool
+    masks); token ids are ``>= 0`` and, when ``vocab_size`` is given, ``< vocab_size`` (``token-range``);
+    ``rollout_id`` and ``segment_index`` are ``>= 0`` (``rollout-id``, ``segment-index``).
     """
     for key in SEGMENT_KEYS + TOKEN_KEYS:
         if key not in td.keys():
@@ -260,8 +279,26 @@ def validate_episodes(td: TensorDict, complete: bool = True) -> None:
         if td[key].shape != torch.Size([S, T]):
             _fail("shape", f"{key!r} has shape {list(td[key].shape)}, expected [S, T] = [{S}, {T}]")
     if S == 0:
-        return
+        _fail("empty-batch", "the batch holds 0 segments; a collector must yield at least one rollout")
+    for key in SEGMENT_KEYS + TOKEN_KEYS + tuple(k for k in TRAINING_TOKEN_KEYS if k in td.keys()):
+        if td[key].dtype != CONTRACT_DTYPES[key]:
+            _fail("dtype", f"{key!r} has dtype {td[key].dtype}, the contract says {CONTRACT_DTYPES[key]} "
+                           "(README: the episode TensorDict); build rows with crl.episode.build_episode")
     rid, seg_idx = td["rollout_id"], td["segment_index"]
+    if (rid < 0).any():
+        s = int((rid < 0).nonzero()[0])
+        _fail("rollout-id", f"rollout_id must be >= 0, got {int(rid[s])}", rid[s], seg_idx[s])
+    if (seg_idx < 0).any():
+        s = int((seg_idx < 0).nonzero()[0])
+        _fail("segment-index", f"segment_index must be >= 0, got {int(seg_idx[s])}", rid[s], seg_idx[s])
+    tokens = td["tokens"]
+    if (tokens < 0).any():
+        s, t = (int(x) for x in (tokens < 0).nonzero()[0])
+        _fail("token-range", f"token {t} has id {int(tokens[s, t])}; token ids must be >= 0", rid[s], seg_idx[s])
+    if vocab_size is not None and (tokens >= vocab_size).any():
+        s, t = (int(x) for x in (tokens >= vocab_size).nonzero()[0])
+        _fail("token-range", f"token {t} has id {int(tokens[s, t])}, outside the vocabulary (vocab_size={vocab_size})",
+              rid[s], seg_idx[s])
     for key in ("reward", "sample_log_prob") + tuple(k for k in TRAINING_TOKEN_KEYS if k in td.keys()):
         bad = ~torch.isfinite(td[key])
         if bad.any():
@@ -362,7 +399,7 @@ def save_episodes(td: TensorDict, path: str | os.PathLike) -> None:
             payload["flat"][key] = value[keep].clone()
         else:
             raise ValueError(f"save_episodes: key {key!r} has {value.ndim} dims; only [S] and [S, T] are stored")
-    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    atomic_torch_save(path, payload)
 
 
 def load_episodes(path: str | os.PathLike) -> TensorDict:

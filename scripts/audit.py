@@ -22,7 +22,10 @@ Layout assumed (written by the trainer; the evidence part is ``crl/evidence.py``
                                            "cross_trajectory", "value_target", "boundary", "whiten"},
                                            "iteration": N, "rank": R, "world_size": W,
                                            "checkpoint": "checkpoints/iter_MMMMMM"}   (relative to RUN_DIR)
-                                          optional "critic_warmup": true allows an empty actor list
+                                          "critic_warmup": bool (optional, default false): a critic-only
+                                          warm-up iteration; its actor list must then be empty
+                                          "frozen_summary": bool (optional, default false): the run is the
+                                          frozen-summary ablation (equal in every meta of the run)
       checkpoints/iter_MMMMMM/            post-update checkpoint, M >= N
         actor.pt                          state dict of the transformers causal LM
         actor_config.json                 the HF config's to_dict() (rebuilt by AutoConfig.for_model(**cfg))
@@ -45,12 +48,16 @@ its ranks (segments of one rollout may sit on different ranks). Checks (names as
 * ``execution_summary_execution_path``: some rollout has segments EXECUTION, SUMMARY, EXECUTION consecutively
   and the summary's SUMMARY tokens are optimized.
 * ``summary_tokens_optimized``: every SUMMARY token has loss_mask 1; at least one exists.
+  In a frozen-summary run (meta ``frozen_summary: true``) it is replaced by ``frozen_summary_not_trained``:
+  FROZEN_SUMMARY tokens exist, every one has loss_mask 0 and advantage / value target 0 (none trained), and no
+  trainable SUMMARY token exists; the path check then needs FROZEN_SUMMARY tokens in the summary segment.
 * ``non_sampled_tokens_masked``: loss_mask is 0 on every other provenance and 1 exactly on ACTION / SUMMARY;
   no unknown provenance value; loss_mask holds only 0/1.
 * ``n_after_rollout_length``: both recomputed from the complete rollouts match every stored row.
 * ``advantages_value_targets``: recomputed by the plain per-segment loop below (not crl.objectives) and within
   the tolerance (max abs error reported); advantage and value target exactly 0 off the loss mask.
-* ``grad_norms``: every actor and critic entry finite and > 0; both non-empty.
+* ``grad_norms``: every actor and critic entry finite and > 0; both non-empty, except the actor list of a
+  critic warm-up iteration (meta ``critic_warmup: true``), which must be empty; the run holds >= 1 actor entry.
 * ``checkpoint``: the checkpoint of every evidence meta exists inside RUN_DIR, its iteration >= the evidence's,
   actor and critic load with strict=True and every parameter is finite.
 * ``files_manifest``: rollout, training, gradient, meta and checkpoint files listed with size and SHA-256.
@@ -254,6 +261,7 @@ class Audit:
         self.train: dict[int, list[Row]] = {}  # iteration -> rows of training.pt, all ranks
         self.estimator: dict[int, dict] = {}
         self.files: list[dict] = []
+        self.frozen_summary = False  # every evidence meta says frozen_summary: true
 
     # -- bookkeeping -----------------------------------------------------------------------------------------
 
@@ -316,6 +324,9 @@ class Audit:
                         est.append({k: e[k] for k in ESTIMATOR_KEYS})
                     if not isinstance(meta.get("checkpoint"), str):
                         problems.append(f"{where}/meta.json: no 'checkpoint' path")
+                    for flag in ("critic_warmup", "frozen_summary"):
+                        if flag in meta and not isinstance(meta[flag], bool):
+                            problems.append(f"{where}/meta.json: {flag!r} must be true or false, got {meta[flag]!r}")
                 for fname, training, store in (("rollout.pt", False, self.roll), ("training.pt", True, self.train)):
                     if (rp / fname).is_file():
                         try:
@@ -336,7 +347,12 @@ class Audit:
             for name, store in (("rollout.pt", self.roll), ("training.pt", self.train)):
                 if not store.get(it):
                     problems.append(f"iter_{it:06d}: {name} holds no rows on any rank")
-        measured = {"iterations": [it for it, _ in iters], "ranks": ranks_seen,
+        frozen = {m.get("frozen_summary", False) is True for m in self.meta.values()}
+        if len(frozen) > 1:
+            problems.append("frozen_summary is true in some evidence meta.json and not in others: one run is one arm")
+        self.frozen_summary = frozen == {True}
+        measured = {"iterations": [it for it, _ in iters], "ranks": ranks_seen, "frozen_summary": self.frozen_summary,
+                    "critic_warmup_iterations": sorted({it for (it, _), m in self.meta.items() if m.get("critic_warmup") is True}),
                     "rows_rollout": {it: len(v) for it, v in self.roll.items()},
                     "rows_training": {it: len(v) for it, v in self.train.items()}, "problems": first(problems, 20)}
         return not problems, measured, "; ".join(first(problems, 5)) or f"{len(self.units)} rank dirs, all files present"
@@ -467,14 +483,19 @@ class Audit:
                     a, b, c = segs.get(k), segs.get(k + 1), segs.get(k + 2)
                     if a is None or b is None or c is None or (a.kind, b.kind, c.kind) != (E, S, E):
                         continue
-                    n_sum = int(((b.prov == int(Provenance.SUMMARY)) & (b.lm == 1)).sum())
+                    if self.frozen_summary:  # the frozen arm: the summary was sampled by the frozen copy
+                        n_sum = int((b.prov == int(Provenance.FROZEN_SUMMARY)).sum())
+                    else:
+                        n_sum = int(((b.prov == int(Provenance.SUMMARY)) & (b.lm == 1)).sum())
                     if n_sum > 0:
                         found.append({"iteration": it, "rollout_id": rid, "segments": [k, k + 1, k + 2],
-                                      "optimized_summary_tokens": n_sum})
+                                      ("frozen_summary_tokens" if self.frozen_summary else "optimized_summary_tokens"): n_sum})
                         break
-        return bool(found), {"rollouts_with_path": len(found), "examples": first(found, 3)}, (
-            f"{len(found)} rollouts have EXECUTION→SUMMARY→EXECUTION with optimized summary tokens" if found
-            else "no rollout in training.pt has consecutive EXECUTION, SUMMARY (with optimized SUMMARY tokens), EXECUTION")
+        what = "FROZEN_SUMMARY tokens" if self.frozen_summary else "optimized SUMMARY tokens"
+        return bool(found), {"rollouts_with_path": len(found), "frozen_summary": self.frozen_summary,
+                             "examples": first(found, 3)}, (
+            f"{len(found)} rollouts have EXECUTION→SUMMARY→EXECUTION with {what}" if found
+            else f"no rollout in training.pt has consecutive EXECUTION, SUMMARY (with {what}), EXECUTION")
 
     def check_summary_optimized(self):
         self.need_rows()
@@ -487,9 +508,39 @@ class Audit:
                 unmasked += int(bad.sum())
                 examples.append(f"{row.where} rollout {row.rid} segment {row.seg} token {int(np.nonzero(bad)[0][0])}")
         ok = total > 0 and unmasked == 0
-        return ok, {"summary_tokens": total, "summary_tokens_not_optimized": unmasked, "examples": first(examples)}, (
-            "no SUMMARY token in the evidence" if total == 0 else
+        n_frozen = sum(int((row.prov == int(Provenance.FROZEN_SUMMARY)).sum()) for row in self.all_rows())
+        hint = (f" ({n_frozen} FROZEN_SUMMARY tokens: a frozen-summary run must write frozen_summary: true in its "
+                "evidence meta.json)") if n_frozen else ""
+        return ok, {"summary_tokens": total, "summary_tokens_not_optimized": unmasked, "frozen_summary_tokens": n_frozen,
+                    "examples": first(examples)}, (
+            "no SUMMARY token in the evidence" + hint if total == 0 else
             f"{unmasked} of {total} SUMMARY tokens have loss_mask 0" if unmasked else f"all {total} SUMMARY tokens optimized")
+
+    def check_frozen_summary(self):
+        """The frozen-summary arm's replacement of ``summary_tokens_optimized``: summaries exist, none is trained."""
+        self.need_rows()
+        n_frozen, problems = 0, []
+        trained_rows = {id(r) for rows in self.train.values() for r in rows}
+        for row in self.all_rows():
+            fz = row.prov == int(Provenance.FROZEN_SUMMARY)
+            n_frozen += int(fz.sum())
+            if (fz & (row.lm != 0)).any():
+                problems.append(f"{row.where} rollout {row.rid} segment {row.seg}: loss_mask 1 on FROZEN_SUMMARY "
+                                f"token {int(np.nonzero(fz & (row.lm != 0))[0][0])}")
+            n_sum = int((row.prov == int(Provenance.SUMMARY)).sum())
+            if n_sum:
+                problems.append(f"{row.where} rollout {row.rid} segment {row.seg}: {n_sum} trainable SUMMARY tokens "
+                                "in a frozen-summary run")
+            if id(row) in trained_rows and fz.any():
+                for key in ("adv", "vt"):
+                    vals = getattr(row, key, None)
+                    if vals is not None and (np.asarray(vals)[fz] != 0).any():
+                        problems.append(f"{row.where} rollout {row.rid} segment {row.seg}: non-zero {key} on FROZEN_SUMMARY tokens")
+        if n_frozen == 0:
+            problems.append("no FROZEN_SUMMARY token in the evidence: the frozen arm never summarized")
+        return not problems, {"frozen_summary_tokens": n_frozen, "violations": len(problems), "examples": first(problems)}, (
+            "; ".join(first(problems, 3)) or f"all {n_frozen} FROZEN_SUMMARY tokens have loss_mask 0 and zero advantage; "
+            "no trainable SUMMARY token")
 
     def check_masked(self):
         self.need_rows()
@@ -648,8 +699,12 @@ class Audit:
                 if not isinstance(vals, list):
                     problems.append(f"{where}: no list {k!r}")
                     continue
-                if not vals and not (k == "actor" and self.meta.get((it, r), {}).get("critic_warmup") is True):
-                    problems.append(f"{where}: {k!r} is empty")
+                warmup = self.meta.get((it, r), {}).get("critic_warmup") is True
+                if not vals and not (k == "actor" and warmup):
+                    problems.append(f"{where}: {k!r} is empty" + ("" if k != "actor" else
+                                    " (and meta.json does not say critic_warmup: true)"))
+                if vals and k == "actor" and warmup:
+                    problems.append(f"{where}: meta.json says critic_warmup but {len(vals)} actor gradient norms are listed")
                 for i, v in enumerate(vals):
                     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                         problems.append(f"{where}: {k}[{i}] = {v!r} is not a finite positive norm")
@@ -781,7 +836,10 @@ class Audit:
         self.run_check("trainable_set_complete", self.check_trainable_set)
         self.run_check("siblings_share_reward_status", self.check_siblings)
         self.run_check("execution_summary_execution_path", self.check_path)
-        self.run_check("summary_tokens_optimized", self.check_summary_optimized)
+        if self.frozen_summary:  # an explicit rule for the frozen arm, in the same place (never a silent skip)
+            self.run_check("frozen_summary_not_trained", self.check_frozen_summary)
+        else:
+            self.run_check("summary_tokens_optimized", self.check_summary_optimized)
         self.run_check("non_sampled_tokens_masked", self.check_masked)
         self.run_check("n_after_rollout_length", self.check_n_after)
         self.run_check("advantages_value_targets", self.check_advantages)

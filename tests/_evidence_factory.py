@@ -8,6 +8,7 @@ and its critic are saved as the post-update checkpoint in the layout the audit d
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -56,13 +57,14 @@ def _execution(gen, first=True, actions=(3, 2), resume=True):
     return _seg(E, head + body, gen)
 
 
-def _summary(gen, n=4):
+def _summary(gen, n=4, frozen=False):
     spec = [(P.SYSTEM, 3), (P.TASK, 4), (P.COPIED_ACTION, 2), (P.OBSERVATION, 2), (P.SUMMARY_INSTRUCTION, 3)]
-    return _seg(S, spec + ([(P.SUMMARY, n)] if n else []), gen)
+    return _seg(S, spec + ([(P.FROZEN_SUMMARY if frozen else P.SUMMARY, n)] if n else []), gen)
 
 
-def rollouts(seed: int = 0, rid_offset: int = 0):
+def rollouts(seed: int = 0, rid_offset: int = 0, frozen_summary: bool = False):
     gen = torch.Generator().manual_seed(seed)
+    _summary = functools.partial(globals()["_summary"], frozen=frozen_summary)
     return [
         build_episode([_execution(gen), _summary(gen), _execution(gen, first=False)], 100 + rid_offset, 1.0, EpisodeStatus.COMPLETED),
         build_episode([_execution(gen), _summary(gen, 5), _execution(gen, False, (2, 1)), _summary(gen, 3),
@@ -75,13 +77,18 @@ def rollouts(seed: int = 0, rid_offset: int = 0):
 
 
 def make_run(run_dir, *, seed: int = 0, estimator: dict | None = None, world_size: int = 2,
-             iteration: int = ITERATION, rid_offset: int = 0) -> dict:
-    """Write the run directory; returns {"estimator", "rows_per_rank"}."""
+             iteration: int = ITERATION, rid_offset: int = 0, frozen_summary: bool = False,
+             meta_extra: dict | None = None) -> dict:
+    """Write the run directory; returns {"estimator", "rows_per_rank"}.
+
+    ``frozen_summary``: the frozen-summary arm (summaries are FROZEN_SUMMARY tokens, meta says so);
+    ``meta_extra``: more keys for every evidence meta.json (e.g. ``critic_warmup``).
+    """
     from crl.modules.models import ValueModel, build_causal_lm
 
     run_dir = Path(run_dir)
     est = dict(ESTIMATOR, **(estimator or {}))
-    batch = concat_episodes(rollouts(seed, rid_offset))
+    batch = concat_episodes(rollouts(seed, rid_offset, frozen_summary))
     validate_episodes(batch)
     gen = torch.Generator().manual_seed(seed + 1)
     mask = batch["loss_mask"]
@@ -107,7 +114,9 @@ def make_run(run_dir, *, seed: int = 0, estimator: dict | None = None, world_siz
     on_rank0 = (rid == 100 + rid_offset) | ((rid == 101 + rid_offset) & (seg <= 2))
     shards = [on_rank0, ~on_rank0] if world_size == 2 else [torch.ones_like(on_rank0)]
     ckpt_rel = f"checkpoints/iter_{iteration:06d}"
-    meta = {"estimator": est, "world_size": world_size, "checkpoint": ckpt_rel}
+    meta = {"estimator": est, "world_size": world_size, "checkpoint": ckpt_rel, **(meta_extra or {})}
+    if frozen_summary:
+        meta["frozen_summary"] = True
     grads = [{"actor": [0.8, 0.61], "critic": [1.5, 1.2, 0.9]}, {"actor": [0.8, 0.61], "critic": [1.5, 1.2, 0.9]}]
     for r, sel in enumerate(shards):
         write_evidence(run_dir, iteration, r, batch[sel], trained[sel], grads[r], meta)

@@ -366,3 +366,143 @@ def test_audit_source_does_not_import_objectives():
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert names and not any(m.startswith("crl.objectives") for m in names)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issue 10: critic warm-up iterations and the frozen-summary arm
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _warmup(run, ranks=(0, 1), actor=()):
+    for r in ranks:
+        edit_json(ev(run, r) / "meta.json", lambda m: dict(m, critic_warmup=True))
+        edit_json(ev(run, r) / "grad_norms.json", lambda g: dict(g, actor=list(actor)))
+
+
+def test_critic_warmup_iteration_without_actor_grads_passes(tmp_path, capsys):
+    """Evidence on a warm-up iteration (critic only) next to a normal iteration: PASS."""
+    make_run(tmp_path, seed=1)
+    make_run(tmp_path, seed=2, iteration=ITERATION + 1, rid_offset=100)
+    _warmup(tmp_path)  # iteration ITERATION is a warm-up iteration
+    rc, rep, _ = do_audit(tmp_path, capsys)
+    assert rc == 0, rep["failed"]
+    assert check(rep, "evidence_files")["measured"]["critic_warmup_iterations"] == [ITERATION]
+    assert check(rep, "grad_norms")["measured"]["entries"]["actor"] == 4  # the normal iteration's
+
+
+def test_non_warmup_iteration_without_actor_grads_still_fails(tmp_path, capsys):
+    make_run(tmp_path, seed=1)
+    make_run(tmp_path, seed=2, iteration=ITERATION + 1, rid_offset=100)
+    _warmup(tmp_path)
+    edit_json(ev(tmp_path, 1, ITERATION + 1) / "grad_norms.json", lambda g: dict(g, actor=[]))
+    rep = assert_fails(tmp_path, "grad_norms", capsys)
+    assert rep["failed"] == ["grad_norms"]
+    assert "critic_warmup" in check(rep, "grad_norms")["detail"]
+
+
+def test_critic_warmup_false_is_not_a_pass(run, capsys):
+    for r in (0, 1):
+        edit_json(ev(run, r) / "meta.json", lambda m: dict(m, critic_warmup=False))
+    edit_json(ev(run, 0) / "grad_norms.json", lambda g: dict(g, actor=[]))
+    assert_fails(run, "grad_norms", capsys)
+
+
+def test_warmup_with_actor_grads_is_inconsistent(run, capsys):
+    _warmup(run, actor=[0.5])
+    rep = assert_fails(run, "grad_norms", capsys)
+    assert "critic_warmup but 1 actor gradient norms" in check(rep, "grad_norms")["detail"]
+
+
+def test_only_warmup_evidence_fails_no_actor_norm_in_run(run, capsys):
+    _warmup(run)
+    rep = assert_fails(run, "grad_norms", capsys)
+    assert "no actor gradient norm in the whole run" in check(rep, "grad_norms")["detail"]
+
+
+@pytest.mark.parametrize("flag", ["critic_warmup", "frozen_summary"])
+def test_non_bool_meta_flags_fail(run, capsys, flag):
+    edit_json(ev(run, 0) / "meta.json", lambda m: dict(m, **{flag: "yes"}))
+    assert_fails(run, "evidence_files", capsys)
+
+
+@pytest.fixture(scope="module")
+def frozen_clean(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "frozen"
+    make_run(run, frozen_summary=True)
+    return run
+
+
+@pytest.fixture
+def frozen(frozen_clean, tmp_path):
+    dst = tmp_path / "frozen"
+    shutil.copytree(frozen_clean, dst)
+    return dst
+
+
+def test_frozen_summary_run_passes_with_its_own_rule(frozen, capsys):
+    rc, rep, _ = do_audit(frozen, capsys)
+    assert rc == 0, [(c["name"], c["detail"]) for c in rep["checks"] if c["status"] == "FAIL"]
+    names = [c["name"] for c in rep["checks"]]
+    # the rule replaces "summary tokens are optimized" in the same place: never a silent skip
+    assert "summary_tokens_optimized" not in names
+    assert names[5] == "frozen_summary_not_trained"
+    fz = check(rep, "frozen_summary_not_trained")
+    assert fz["measured"]["frozen_summary_tokens"] > 0 and "loss_mask 0" in fz["detail"]
+    assert "FROZEN_SUMMARY" in check(rep, "execution_summary_execution_path")["detail"]
+    assert check(rep, "evidence_files")["measured"]["frozen_summary"] is True
+
+
+def test_frozen_tokens_without_the_meta_flag_fail_with_a_hint(frozen, capsys):
+    for r in (0, 1):
+        edit_json(ev(frozen, r) / "meta.json", lambda m: {k: v for k, v in m.items() if k != "frozen_summary"})
+    rep = assert_fails(frozen, "summary_tokens_optimized", capsys)
+    assert "frozen_summary: true" in check(rep, "summary_tokens_optimized")["detail"]
+
+
+def test_frozen_summary_with_mask_bit_fails(frozen, capsys):
+    def flip(td):
+        s, t = [int(x) for x in (td["provenance"] == int(Provenance.FROZEN_SUMMARY)).nonzero()[0]]
+        td["loss_mask"][s, t] = True
+        return td
+
+    edit_rows(frozen, 0, ["rollout.pt", "training.pt"], flip)
+    rep = assert_fails(frozen, "frozen_summary_not_trained", capsys)
+    assert "loss_mask 1 on FROZEN_SUMMARY" in check(rep, "frozen_summary_not_trained")["detail"]
+
+
+def test_frozen_run_with_trainable_summary_fails(frozen, capsys):
+    """A frozen arm whose summaries are (partly) trainable SUMMARY tokens is contaminated."""
+    def unfreeze(td):
+        s, t = [int(x) for x in (td["provenance"] == int(Provenance.FROZEN_SUMMARY)).nonzero()[0]]
+        td["provenance"][s, t] = int(Provenance.SUMMARY)
+        td["loss_mask"][s, t] = True
+        return td
+
+    edit_rows(frozen, 0, ["rollout.pt", "training.pt"], unfreeze)
+    rep = assert_fails(frozen, "frozen_summary_not_trained", capsys)
+    assert "trainable SUMMARY tokens in a frozen-summary run" in check(rep, "frozen_summary_not_trained")["detail"]
+
+
+def test_frozen_summary_with_nonzero_advantage_fails(frozen, capsys):
+    def bump(td):
+        s, t = [int(x) for x in (td["provenance"] == int(Provenance.FROZEN_SUMMARY)).nonzero()[0]]
+        td["advantage"][s, t] = 0.3
+        return td
+
+    edit_rows(frozen, 1, "training.pt", bump)
+    rep = assert_fails(frozen, "frozen_summary_not_trained", capsys)
+    assert "non-zero adv on FROZEN_SUMMARY" in check(rep, "frozen_summary_not_trained")["detail"]
+
+
+def test_frozen_run_without_any_summary_fails(frozen, capsys):
+    for r in (0, 1):
+        edit_rows(frozen, r, ["rollout.pt", "training.pt"], lambda td: td[td["rollout_id"] == 104] if r == 1 else td[:0])
+    rep = assert_fails(frozen, "frozen_summary_not_trained", capsys)
+    assert "no FROZEN_SUMMARY token" in check(rep, "frozen_summary_not_trained")["detail"]
+    assert "execution_summary_execution_path" in rep["failed"]
+
+
+def test_frozen_flag_on_some_ranks_only_fails(frozen, capsys):
+    edit_json(ev(frozen, 1) / "meta.json", lambda m: dict(m, frozen_summary=False))
+    rep = assert_fails(frozen, "evidence_files", capsys)
+    assert "one run is one arm" in check(rep, "evidence_files")["detail"]

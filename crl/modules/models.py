@@ -5,6 +5,7 @@ path; nothing is fetched from a hub. Both are exposed as TorchRL ``TensorDictMod
 (:mod:`crl.episode`), with the contract's alignment::
 
     log_prob[s, t]    = log softmax(logits(tokens[s, :t]) / temperature)[tokens[s, t]]     (0 at t = 0)
+                        (top-p truncated and renormalised when top_p < 1: the sampler's distribution)
     entropy[s, t]     = entropy of that same distribution                                  (0 at t = 0)
     state_value[s, t] = v(hidden(tokens[s, :t]))                                           (0 at t = 0)
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from tensordict.nn import TensorDictModule
 from torch import nn
 
+from crl.modules.generation import SamplingParams, sampling_log_probs
 from crl.modules.presets import PRESETS  # re-exported: crl.modules.models.PRESETS
 
 
@@ -66,22 +68,46 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class CausalLMLogProbs(nn.Module):
-    """Teacher-forced per-token log-probs and entropies of a causal LM at a sampling temperature."""
+    """Teacher-forced per-token log-probs and entropies of the distribution the sampler draws from.
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0):
+    That distribution is :func:`crl.modules.generation.sampling_log_probs` (temperature, then top-p truncation
+    and renormalisation) applied to this model's logits, so with the sampler's ``temperature`` and ``top_p`` the
+    learner's log-prob of a sampled token equals its behaviour log-prob before the first update (PPO ratio
+    exactly 1). ``entropy`` is the entropy of that same (truncated) distribution.
+
+    With ``top_p < 1`` a token outside the current top-p set has probability 0. Such tokens are never sampled
+    with the weights that sampled them, but other tokens (observations, prompts) and, after the weights move,
+    a sampled token may fall outside; their log-prob is reported as :attr:`OUTSIDE_TOP_P_LOG_PROB` (-100,
+    ``exp`` = 4e-44: a ratio of 0 for PPO) instead of ``-inf``, so masked arithmetic and gradients stay finite.
+    Warm starts (teacher-forced NLL) should use ``top_p=1``.
+    """
+
+    OUTSIDE_TOP_P_LOG_PROB = -100.0
+
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         self.lm = lm
         self.temperature = temperature
+        self.top_p = top_p
+        self._params = SamplingParams(temperature=temperature, top_p=top_p)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor):
         attention_mask = attention_mask.long()
         out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
-        logits = out.logits.float() / self.temperature
-        logp_all = _shift(torch.log_softmax(logits, dim=-1))
-        log_prob = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        logp_all = _shift(sampling_log_probs(out.logits, self._params))
+        if self.top_p < 1:
+            outside = torch.isneginf(logp_all)
+            p_all = logp_all.exp()  # exactly 0 outside the top-p set, and so is its gradient
+            entropy = -(p_all * logp_all.masked_fill(outside, 0.0)).sum(-1)
+            log_prob = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
+        else:
+            log_prob = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
         keep = attention_mask.bool()
         keep[:, 0] = False
         return log_prob * keep, entropy * keep
@@ -112,9 +138,9 @@ class ValueModel(nn.Module):
         return _shift(values) * keep
 
 
-def actor_module(lm: nn.Module, temperature: float = 1.0) -> TensorDictModule:
-    """``(tokens, attention_mask) -> (log_prob, entropy)`` as a TensorDictModule."""
-    return TensorDictModule(CausalLMLogProbs(lm, temperature), in_keys=["tokens", "attention_mask"], out_keys=["log_prob", "entropy"])
+def actor_module(lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0) -> TensorDictModule:
+    """``(tokens, attention_mask) -> (log_prob, entropy)`` as a TensorDictModule (see :class:`CausalLMLogProbs`)."""
+    return TensorDictModule(CausalLMLogProbs(lm, temperature, top_p), in_keys=["tokens", "attention_mask"], out_keys=["log_prob", "entropy"])
 
 
 def critic_module(value_model: ValueModel) -> TensorDictModule:

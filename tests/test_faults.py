@@ -1,0 +1,600 @@
+"""Issue 10: every row of the fault table, reproduced on CPU with fixed seeds, asserting the new behaviour.
+
+Sections (one per area of the table; each test names its row):
+
+1. episode validator: the README dtype table, token-id range, rollout_id >= 0, empty batch
+2. collector: hung environment step, malformed environment output
+3. files: umask-following modes, disk full / unwritable targets
+4. sampling: top-p behaviour log-probs equal the learner's (PPO ratio exactly 1 at the first update)
+5. trainer (added by the trainer-side change): resume, commit order, run-dir lock, config diff, bad inputs
+
+The audit rows ("evidence on a critic warm-up iteration", "frozen-summary runs can never PASS") are tested on
+faked evidence in tests/test_audit.py (section "issue 10"); end-to-end runs belong to section 5.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from crl.episode import (
+    EpisodeStatus,
+    EpisodeValidationError,
+    Provenance as P,
+    Segment,
+    SegmentKind,
+    build_episode,
+    concat_episodes,
+    validate_episodes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ============================================================================================================
+# 1. episode validator (row "validator: float32 tokens, int64 reward, float masks, token id -1, negative
+#    rollout_id, a batch of 0 segments")
+# ============================================================================================================
+
+
+def _segment(kind, spec):
+    seg = Segment(kind)
+    for i, (prov, n) in enumerate(spec):
+        sampled = prov in (P.ACTION, P.SUMMARY, P.FROZEN_SUMMARY)
+        seg.extend([10 + i] * n, prov, [-0.5] * n if sampled else None)
+    return seg
+
+
+def _rows(rid=0):
+    return build_episode(
+        [
+            _segment(SegmentKind.EXECUTION, [(P.SYSTEM, 2), (P.TASK, 2), (P.ACTION, 2), (P.OBSERVATION, 2)]),
+            _segment(SegmentKind.SUMMARY, [(P.SYSTEM, 2), (P.SUMMARY_INSTRUCTION, 2), (P.SUMMARY, 3)]),
+            _segment(SegmentKind.EXECUTION, [(P.SYSTEM, 2), (P.COPIED_SUMMARY, 3), (P.ACTION, 1)]),
+        ],
+        rollout_id=rid,
+        reward=1.0,
+        status=EpisodeStatus.COMPLETED,
+    )
+
+
+def _batch():
+    return concat_episodes([_rows(0), _rows(1)])
+
+
+def _cast(key, dtype):
+    def fn(td):
+        td.set(key, td[key].to(dtype))
+        return td
+
+    return fn
+
+
+def _set(key, index, value):
+    def fn(td):
+        td[key][index] = value
+        return td
+
+    return fn
+
+
+VALIDATOR_ROWS = {
+    "float32 tokens": ("dtype", _cast("tokens", torch.float32)),
+    "int32 provenance": ("dtype", _cast("provenance", torch.int32)),
+    "int64 reward": ("dtype", _cast("reward", torch.int64)),
+    "float64 reward": ("dtype", _cast("reward", torch.float64)),
+    "float attention_mask": ("dtype", _cast("attention_mask", torch.float32)),
+    "float loss_mask": ("dtype", _cast("loss_mask", torch.float32)),
+    "int loss_mask": ("dtype", _cast("loss_mask", torch.int64)),
+    "float64 sample_log_prob": ("dtype", _cast("sample_log_prob", torch.float64)),
+    "float rollout_id": ("dtype", _cast("rollout_id", torch.float32)),
+    "int32 status": ("dtype", _cast("status", torch.int32)),
+    "token id -1": ("token-range", _set("tokens", (0, 3), -1)),
+    "negative rollout_id": ("rollout-id", lambda td: (td["rollout_id"].__setitem__(slice(0, 3), -4), td)[1]),
+    "negative segment_index": ("segment-index", _set("segment_index", 0, -1)),
+}
+
+
+def test_validator_accepts_the_clean_batch():
+    validate_episodes(_batch())
+    validate_episodes(_batch(), vocab_size=32)
+
+
+@pytest.mark.parametrize("row", sorted(VALIDATOR_ROWS))
+def test_validator_rejects(row):
+    rule, doctor = VALIDATOR_ROWS[row]
+    with pytest.raises(EpisodeValidationError, match=rf"^\[{rule}\]"):
+        validate_episodes(doctor(_batch().clone()))
+
+
+def test_validator_dtype_of_training_keys():
+    td = _batch()
+    td["advantage"] = torch.zeros(td["tokens"].shape, dtype=torch.float32)
+    validate_episodes(td)
+    td["advantage"] = td["advantage"].double()
+    with pytest.raises(EpisodeValidationError, match=r"^\[dtype\] 'advantage'"):
+        validate_episodes(td)
+
+
+def test_validator_token_id_out_of_vocab():
+    td = _batch()
+    validate_episodes(td)  # no vocab size given: only the lower bound is checked
+    with pytest.raises(EpisodeValidationError, match=r"^\[token-range\] rollout 0, segment 0: .*vocab_size=12"):
+        validate_episodes(td, vocab_size=12)  # ids 10..13 are used
+
+
+def test_validator_refuses_empty_batch_by_name():
+    empty = _batch()[:0]
+    assert empty.batch_size[0] == 0
+    with pytest.raises(EpisodeValidationError, match=r"^\[empty-batch\]"):
+        validate_episodes(empty)
+    with pytest.raises(EpisodeValidationError, match=r"^\[empty-batch\]"):
+        validate_episodes(empty, complete=False)
+
+
+def test_validator_message_names_rollout_for_negative_id():
+    td = _batch()
+    td["rollout_id"][3:] = -2
+    with pytest.raises(EpisodeValidationError, match=r"rollout -2, segment 0: rollout_id must be >= 0"):
+        validate_episodes(td)
+
+
+# ============================================================================================================
+# 2. collector (rows "hanging environment step" and "env returns observation=None")
+# ============================================================================================================
+
+FAULT_HELPERS = r"""
+import time
+from crl.envs import MemoryChainSuite, StepResult
+
+HANG_STARTED = []
+
+class FaultyEnv:
+    def __init__(self, env, fault, at):
+        self.env, self.fault, self.at, self.n = env, fault, at, 0
+
+    def reset(self):
+        if self.fault == "reset-none":
+            return None
+        if self.fault == "reset-hang":
+            time.sleep(20)
+        return self.env.reset()
+
+    def step(self, action):
+        self.n += 1
+        result = self.env.step(action)
+        if self.n < self.at:
+            return result
+        f = self.fault
+        if f == "hang":
+            HANG_STARTED.append(time.time())
+            time.sleep(20)
+        if f == "spin":
+            while True:
+                pass
+        if f == "raise":
+            raise RuntimeError("env crashed")
+        if f == "observation-none":
+            return StepResult(None, result.done, result.reward, result.info)
+        if f == "observation-int":
+            return StepResult(123, result.done, result.reward, result.info)
+        if f == "not-a-step-result":
+            return {"observation": result.observation, "done": result.done}
+        if f == "tuple":
+            return (result.observation, result.done, result.reward, result.info)
+        if f == "info-none":
+            return StepResult(result.observation, result.done, result.reward, None)
+        if f == "reward-nan":
+            return StepResult(result.observation, result.done, float("nan"), result.info)
+        if f == "done-str":
+            return StepResult(result.observation, "no", result.reward, result.info)
+        return result
+
+
+class FaultySuite(MemoryChainSuite):
+    "Episode n plays task n (tasks_in_order); the env of task `bad` has `fault` from its step `at` on."
+    def __init__(self, fault, bad=1, at=2, **kw):
+        super().__init__(length=4, split_sizes={"train": 6, "dev": 2, "test": 2}, **kw)
+        self.fault, self.bad, self.at = fault, bad, at
+
+    def make_env(self, task):
+        env = super().make_env(task)
+        return FaultyEnv(env, self.fault, self.at) if task.index == self.bad else env
+
+
+def make_collector(fault, step_timeout=None, episodes=4, **kw):
+    from crl.collectors import CompactionCollector
+    from crl.compaction import CompactionConfig
+    from crl.modules.generation import TransformersBackend
+    from crl.modules.models import build_causal_lm
+    from crl.modules.tokenizer import decode, encode, load_tokenizer
+    from crl.prompts import EOS
+
+    tok = load_tokenizer()
+    eos = tok.convert_tokens_to_ids(EOS)
+    lm = build_causal_lm("llama-tiny", vocab_size=len(tok), max_positions=1024, eos_token_id=eos, seed=0)
+    suite = FaultySuite(fault, **kw)
+    cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=suite.compaction_steps, keep_recent=2)
+    return CompactionCollector(suite, "train", TransformersBackend(lm, seed=0), encode, decode, eos, cfg, max_action_tokens=5,
+                               episodes_per_batch=episodes, tasks_in_order=True, step_timeout=step_timeout, progress=False)
+"""
+_faults: dict = {}
+exec(compile(FAULT_HELPERS, "fault_helpers", "exec"), _faults)
+make_collector = _faults["make_collector"]
+
+
+def _statuses(col):
+    return {e.rollout_id: (e.status, e.error) for e in col.last_episodes}
+
+
+def _assert_only_episode_1_failed(col, td, error_name):
+    validate_episodes(td)
+    st = _statuses(col)
+    assert sorted(st) == [0, 1, 2, 3]
+    status, error = st[1]
+    assert status == EpisodeStatus.FAILED and error is not None and error.startswith(error_name), error
+    for rid in (0, 2, 3):
+        assert st[rid][0] != EpisodeStatus.FAILED and st[rid][1] is None, (rid, st[rid])
+    rows = td[td["rollout_id"] == 1]
+    assert (rows["status"] == int(EpisodeStatus.FAILED)).all() and (rows["reward"] == 0).all()
+
+
+def test_hung_step_fails_only_its_episode():
+    col = make_collector("hang", step_timeout=1.0)
+    t0 = time.perf_counter()
+    td = col.collect()
+    assert time.perf_counter() - t0 < 15  # one 1 s timeout, not the 20 s hang
+    _assert_only_episode_1_failed(col, td, "EnvStepTimeout")
+    assert "step_timeout=1.0s" in _statuses(col)[1][1] and col.abandoned_env_threads == 1
+
+
+def test_hung_reset_fails_only_its_episode():
+    col = make_collector("reset-hang", step_timeout=1.0)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "reset: EnvStepTimeout")
+
+
+def test_spinning_step_is_interrupted():
+    """A step stuck in a Python loop is stopped (async exception), so it does not eat a core for the run."""
+    import threading
+
+    before = set(threading.enumerate())  # earlier tests' sleeping threads may still be around
+    col = make_collector("spin", step_timeout=0.5)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "EnvStepTimeout")
+
+    def spinning():
+        return [t for t in threading.enumerate() if t.name == "crl-env-step" and t not in before]
+
+    deadline = time.time() + 5
+    while time.time() < deadline and spinning():
+        time.sleep(0.05)
+    assert not spinning()
+
+
+HANG_MAIN = """
+import sys, time
+col = make_collector("hang", step_timeout=1.0)
+t0 = time.perf_counter()
+td = col.collect()
+print("collected", round(time.perf_counter() - t0, 2), [e.error for e in col.last_episodes], flush=True)
+print("HANG", repr(HANG_STARTED[0]), "END", repr(time.time()), flush=True)
+"""
+
+
+def test_process_with_hung_env_exits_promptly(tmp_path):
+    """The row as measured: a 20 s hang with step_timeout 1 s kept the process alive ~26 s (the executor's
+    thread is joined at exit). Now the process exits as soon as its work is done (interpreter teardown alone
+    takes ~2 s on a loaded 2-core machine, with or without a hung env, hence the loose bound on that)."""
+    script = tmp_path / "hang.py"
+    script.write_text(FAULT_HELPERS + HANG_MAIN)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    t_exit = time.time()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hang = float(proc.stdout.split("HANG ")[1].split()[0])
+    end = float(proc.stdout.split("END ")[1].split()[0])
+    assert "EnvStepTimeout" in proc.stdout
+    assert t_exit - end < 8.0, f"process took {t_exit - end:.1f} s to exit after its work ended"
+    assert t_exit < hang + 18.0, f"exited {t_exit - hang:.1f} s after the 20 s hang began: it was waited for"
+    print(f"hung env: process exited {t_exit - end:.2f} s after its work ended, {t_exit - t0:.1f} s in all")
+
+
+MALFORMED = ["observation-none", "observation-int", "not-a-step-result", "tuple", "info-none", "reward-nan", "done-str"]
+
+
+@pytest.mark.parametrize("fault", MALFORMED)
+def test_malformed_env_output_fails_only_its_episode(fault):
+    col = make_collector(fault)  # no timeout: the check does not depend on the worker thread
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "EnvOutputError")
+
+
+def test_malformed_output_with_a_timeout_too():
+    col = make_collector("observation-none", step_timeout=5.0)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "EnvOutputError: step() returned observation=None")
+
+
+def test_reset_returning_none_fails_only_its_episode():
+    col = make_collector("reset-none")
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "reset: EnvOutputError")
+
+
+def test_env_exception_still_fails_only_its_episode():
+    col = make_collector("raise", step_timeout=5.0)
+    td = col.collect()
+    _assert_only_episode_1_failed(col, td, "RuntimeError: env crashed")
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "1"])
+def test_bad_step_timeout_refused(bad):
+    with pytest.raises(ValueError, match="step_timeout"):
+        make_collector("none", step_timeout=bad)
+
+
+# ============================================================================================================
+# 3. files (rows "atomic writes: files 0600 and evidence dirs 0700 regardless of umask" and "unwritable
+#    run_dir, disk full at a checkpoint: raw OSError / iostream error; an 11 MB .iter_N.tmp left")
+# ============================================================================================================
+
+from crl import io as crl_io  # noqa: E402
+from crl.io import WriteError, atomic_dir, atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text  # noqa: E402
+
+
+@pytest.fixture
+def umask():
+    """Set a umask for one test and restore the previous one."""
+    saved = os.umask(0o022)
+    os.umask(saved)
+
+    def set_(mask):
+        os.umask(mask)
+
+    yield set_
+    os.umask(saved)
+
+
+def _mode(path):
+    return os.stat(path).st_mode & 0o777
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750), (0o077, 0o600, 0o700)])
+def test_atomic_files_and_dirs_follow_the_umask(tmp_path, umask, mask, file_mode, dir_mode):
+    umask(mask)
+    assert crl_io.current_umask() == mask
+    atomic_write_text(tmp_path / "a.txt", "x")
+    atomic_write_json(tmp_path / "b.json", {"a": 1})
+    atomic_torch_save(tmp_path / "c.pt", torch.zeros(3))
+    with atomic_dir(tmp_path / "evidence" / "iter_000001") as d:
+        atomic_write_json(d / "meta.json", {})
+        torch.save(torch.zeros(2), d / "plain.pt")  # written by a library inside the dir: its own open() mode
+    for name in ("a.txt", "b.json", "c.pt"):
+        assert _mode(tmp_path / name) == file_mode, name
+    assert _mode(tmp_path / "evidence" / "iter_000001") == dir_mode
+    assert _mode(tmp_path / "evidence" / "iter_000001" / "meta.json") == file_mode
+    assert _mode(tmp_path / "evidence" / "iter_000001" / "plain.pt") == file_mode
+
+
+def test_evidence_written_by_the_trainer_path_is_0644_0755(tmp_path, umask):
+    """What the issue measured: write_evidence under umask 022 (files were 0600, dirs 0700)."""
+    from crl.evidence import write_evidence
+
+    umask(0o022)
+    td = _batch()
+    d = write_evidence(tmp_path, 1, 0, td, td, {"actor": [1.0], "critic": [1.0]}, {"checkpoint": "x"})
+    assert _mode(d) == 0o755
+    assert {p.name: _mode(p) for p in d.iterdir()} == {n: 0o644 for n in ("rollout.pt", "training.pt", "grad_norms.json", "meta.json")}
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in Path(folder).rglob("*") if p.name.endswith(".tmp") or ".tmp" in p.name)
+
+
+def test_unwritable_target_parent_is_a_file(tmp_path):
+    blocker = tmp_path / "run_dir"
+    blocker.write_text("I am a file, not a directory")
+    for write in (lambda: atomic_write_text(blocker / "config.yaml", "a: 1"),
+                  lambda: atomic_torch_save(blocker / "x.pt", torch.zeros(1)),
+                  lambda: atomic_dir(blocker / "checkpoints" / "iter_000001").__enter__()):
+        with pytest.raises(WriteError) as info:
+            write()
+        err = info.value
+        assert isinstance(err, OSError) and err.errno in (errno.ENOTDIR, errno.EEXIST)
+        msg = str(err)
+        assert "\n" not in msg and str(blocker) in msg and f"[Errno {err.errno}]" in msg
+    assert blocker.read_text() == "I am a file, not a directory"
+    assert _leftovers(tmp_path) == []
+
+
+def test_disk_full_file_removes_temp_and_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.json"
+    atomic_write_json(path, {"old": True})
+
+    def full(tmp):
+        with open(tmp, "w") as f:
+            f.write("x" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(WriteError) as info:
+        atomic_write(path, full)
+    assert info.value.errno == errno.ENOSPC
+    assert str(info.value) == f"cannot write {path}: [Errno {errno.ENOSPC}] No space left on device"
+    assert _leftovers(tmp_path) == [] and path.read_text().startswith('{\n  "old": true')
+
+
+def test_disk_full_torch_save_through_dev_full_keeps_errno(tmp_path, monkeypatch):
+    """A real ENOSPC: torch.save into /dev/full. To a *path* torch raises RuntimeError('iostream error') without
+    errno; atomic_torch_save writes through a Python file object, so the errno survives."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    real_open = open
+
+    def open_full(file, mode="r", *a, **k):
+        if str(file).endswith(".tmp") and "w" in mode:
+            return real_open("/dev/full", mode, *a, **k)
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", open_full)
+    with pytest.raises(WriteError) as info:
+        atomic_torch_save(tmp_path / "actor.pt", torch.zeros(100_000))
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC and str(tmp_path / "actor.pt") in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_torch_iostream_error_becomes_a_write_error(tmp_path, monkeypatch):
+    """torch.save(obj, path) on a full disk raises RuntimeError('basic_ios::clear: iostream error'): still one
+    WriteError line naming the path; errno ENOSPC when the file system reports no free block, else EIO."""
+    monkeypatch.setattr(crl_io.os, "statvfs", lambda p: type("S", (), {"f_bavail": 0, "f_favail": 10})())
+
+    def write(tmp):
+        Path(tmp).write_bytes(b"x" * 100)
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    with pytest.raises(WriteError) as info:
+        atomic_write(tmp_path / "actor.pt", write)
+    assert info.value.errno == errno.ENOSPC and "iostream error" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_inside_a_checkpoint_dir_removes_the_temp_dir(tmp_path):
+    """The 11 MB .iter_N.tmp row: a failure while the directory is being filled leaves nothing behind and the
+    previous directory of that name intact."""
+    final = tmp_path / "checkpoints" / "iter_000004"
+    with atomic_dir(final) as d:
+        (d / "actor.pt").write_bytes(b"old")
+    with pytest.raises(WriteError) as info:
+        with atomic_dir(final) as d:
+            (d / "actor.pt").write_bytes(b"x" * 1_000_000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert info.value.errno == errno.ENOSPC and str(final) in str(info.value)
+    assert sorted(p.name for p in final.parent.iterdir()) == ["iter_000004"]
+    assert (final / "actor.pt").read_bytes() == b"old"
+
+
+def test_non_io_errors_pass_through_unchanged(tmp_path):
+    with pytest.raises(KeyError):
+        atomic_write(tmp_path / "x", lambda tmp: {}["missing"])
+    with pytest.raises(ValueError):
+        with atomic_dir(tmp_path / "d"):
+            raise ValueError("not an I/O problem")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ============================================================================================================
+# 4. sampling (row "model.top_p < 1: behaviour log-probs use the top-p distribution, the learner's do not: the
+#    PPO ratio does not start at 1")
+# ============================================================================================================
+
+
+@pytest.fixture(scope="module")
+def tok_lm():
+    from crl.modules.models import build_causal_lm
+    from crl.modules.tokenizer import load_tokenizer
+    from crl.prompts import EOS
+
+    tok = load_tokenizer()
+    eos = tok.convert_tokens_to_ids(EOS)
+    # a sharper-than-random policy, so that top-p keeps a real subset of the vocabulary
+    lm = build_causal_lm("llama-tiny", vocab_size=len(tok), max_positions=1024, eos_token_id=eos, seed=0)
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(40.0)
+    return tok, eos, lm
+
+
+def _top_p_batch(tok_lm, temperature, top_p, episodes=4):
+    from crl.collectors import CompactionCollector
+    from crl.compaction import CompactionConfig
+    from crl.envs import MemoryChainSuite
+    from crl.modules.generation import SamplingParams, TransformersBackend
+    from crl.modules.tokenizer import decode, encode
+
+    tok, eos, lm = tok_lm
+    suite = MemoryChainSuite(length=4, split_sizes={"train": 8, "dev": 2, "test": 2})
+    cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=suite.compaction_steps, keep_recent=2)
+    col = CompactionCollector(suite, "train", TransformersBackend(lm, seed=5), encode, decode, eos, cfg, max_action_tokens=5,
+                              episodes_per_batch=episodes, progress=False,
+                              sampling=SamplingParams(temperature=temperature, top_p=top_p))
+    return col.collect()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 0.7), (0.8, 0.7), (1.3, 0.5)])
+def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
+    """Collected rows (left-padded batched generation with a KV cache) vs the teacher-forced learner: equal to
+    1e-5 on every sampled token, so the first PPO update's ratio is exactly 1."""
+    from tensordict.nn import TensorDictModule
+
+    from crl.modules.models import CausalLMLogProbs
+
+    _, _, lm = tok_lm
+    td = _top_p_batch(tok_lm, temperature, top_p)
+    m = td["loss_mask"]
+    actor = TensorDictModule(CausalLMLogProbs(lm, temperature, top_p=top_p), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    with torch.no_grad():
+        out = actor(td.select("tokens", "attention_mask").clone())
+    torch.testing.assert_close(out["log_prob"][m], td["sample_log_prob"][m], atol=1e-5, rtol=0)
+    ratio = torch.exp(out["log_prob"][m] - td["sample_log_prob"][m])
+    assert (ratio - 1).abs().max() <= 1e-5
+    # the row as reported: a learner that ignores top-p does not start at ratio 1
+    with torch.no_grad():
+        plain = CausalLMLogProbs(lm, temperature)(td["tokens"], td["attention_mask"])[0]
+    assert (plain[m] - td["sample_log_prob"][m]).abs().max() > 1e-2
+
+
+def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finite(tok_lm):
+    from crl.modules.generation import SamplingParams, sampling_log_probs
+    from crl.modules.models import CausalLMLogProbs
+
+    _, _, lm = tok_lm
+    td = _top_p_batch(tok_lm, 1.0, 0.7, episodes=2)
+    net = CausalLMLogProbs(copy_lm(lm), 1.0, top_p=0.7)
+    tokens, attn = td["tokens"], td["attention_mask"]
+    log_prob, entropy = net(tokens, attn)
+    with torch.no_grad():
+        logits = net.lm(input_ids=tokens, attention_mask=attn.long(),
+                        position_ids=(attn.long().cumsum(-1) - 1).clamp(min=0)).logits
+        lp = sampling_log_probs(logits[:, :-1], SamplingParams(top_p=0.7))
+        p = lp.exp()
+        want = -(p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum(-1)
+    keep = attn.clone()
+    keep[:, 0] = False
+    torch.testing.assert_close(entropy[:, 1:][keep[:, 1:]], want[keep[:, 1:]], atol=1e-5, rtol=0)
+    assert torch.isfinite(log_prob).all() and torch.isfinite(entropy).all()
+    # observation tokens (not sampled) may lie outside the top-p set: finite floor, not -inf
+    assert (log_prob[~td["loss_mask"] & keep] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()
+    # move the weights so that some sampled tokens leave the top-p set, then backprop a PPO-like loss
+    with torch.no_grad():
+        for prm in net.lm.parameters():
+            prm.add_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    log_prob, entropy = net(tokens, attn)
+    m = td["loss_mask"]
+    assert (log_prob[m] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()  # some sampled tokens left the top-p set
+    ratio = torch.exp(torch.where(m, log_prob - td["sample_log_prob"], torch.zeros_like(log_prob)))
+    loss = -(torch.minimum(ratio, ratio.clamp(0.8, 1.2)) * m).sum() - 0.01 * (entropy * m).sum()
+    loss.backward()
+    grads = [prm.grad for prm in net.lm.parameters() if prm.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def copy_lm(lm):
+    import copy
+
+    return copy.deepcopy(lm)
+
+
+def test_causal_lm_log_probs_rejects_bad_top_p(tok_lm):
+    from crl.modules.models import CausalLMLogProbs
+
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="top_p"):
+            CausalLMLogProbs(tok_lm[2], 1.0, top_p=bad)
