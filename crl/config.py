@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import dataclasses
+import math
+
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -44,6 +48,7 @@ class EnvConfig:
     n_keys: int = 2
     extra_steps: int = 4
     seed: int = 0
+    step_timeout_s: Optional[float] = None  # an environment step (or reset) slower than this ends its episode FAILED
 
 
 @dataclass
@@ -122,7 +127,9 @@ class CheckpointConfig:
     every: int = 10
     keep_last: int = 2
     evidence_every: int = 10  # iterations whose evidence (DESIGN §8) is kept; the last one always is
-    resume: str = "auto"  # auto | never | a checkpoint directory
+    # auto: continue from the newest intact checkpoint of run_dir (refused if the config differs);
+    # force: the same, accepting a changed config; never: start afresh; or a checkpoint directory.
+    resume: str = "auto"
 
 
 @dataclass
@@ -170,7 +177,17 @@ def _read_yaml(path: Path, seen: tuple = ()) -> DictConfig:
         raise ConfigValidationError(f"config {path}: circular `defaults:` include")
     if not path.is_file():
         raise ConfigValidationError(f"config file {path} does not exist")
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigValidationError(f"config file {path}: YAML syntax error{where}: {problem}") from None
+    except OmegaConfBaseException as err:
+        raise ConfigValidationError(f"config file {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigValidationError(f"config file {path}: the top level must be a mapping of sections (model:, train:, ...), got a {type(cfg).__name__}")
     includes = cfg.pop("defaults", None) or []
     merged = OmegaConf.create()
     for inc in includes:
@@ -205,13 +222,36 @@ def _need(cond: bool, key: str, msg: str) -> None:
         raise ConfigValidationError(f"{key}: {msg}")
 
 
+def _non_finite(obj, prefix: str = ""):
+    """Dotted keys of every float field that is NaN or infinite (walks nested config dataclasses)."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _non_finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            yield key, value
+
+
 def validate(cfg: Config) -> None:
     """Refuse impossible or contradictory settings, naming the key."""
+    for key, value in _non_finite(cfg):
+        raise ConfigValidationError(f"{key}: {value} is not a finite number")
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         _need(value in allowed, key, f"{value!r} is not one of {allowed}")
     a, t, c = cfg.algo, cfg.train, cfg.compaction
+    _need(c.context_capacity >= 1, "compaction.context_capacity", f"must be >= 1, got {c.context_capacity}")
+    for key in ("min_remaining", "max_compactions", "keep_recent"):
+        _need(getattr(c, key) >= 0, f"compaction.{key}", f"must be >= 0, got {getattr(c, key)}")
+    _need(c.max_summary_tokens >= 1, "compaction.max_summary_tokens", f"must be >= 1, got {c.max_summary_tokens}")
+    e = cfg.env
+    for key in ("length", "n_facts", "n_records", "n_keys"):
+        _need(getattr(e, key) >= 1, f"env.{key}", f"must be >= 1, got {getattr(e, key)}")
+    _need(e.extra_steps >= 0, "env.extra_steps", f"must be >= 0, got {e.extra_steps}")
+    _need(0.0 <= e.distractor_rate <= 1.0, "env.distractor_rate", f"must be in [0, 1], got {e.distractor_rate}")
+    _need(e.step_timeout_s is None or e.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0 seconds or null, got {e.step_timeout_s}")
+    _need(bool(cfg.run_dir), "run_dir", "must name a directory")
     _need((a.alpha is None) != (a.lmbda is None), "algo.alpha/algo.lmbda", "set exactly one (alpha for the length-adaptive λ, lmbda for a fixed λ; null the other)")
     _need(0.0 <= a.gamma <= 1.0, "algo.gamma", f"must be in [0, 1], got {a.gamma}")
     if a.lmbda is not None:
@@ -222,7 +262,10 @@ def validate(cfg: Config) -> None:
     _need(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algo.clip_eps_low/high", "must be > 0")
     _need(a.clip_value is None or a.clip_value > 0, "algo.clip_value", "must be > 0 or null")
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
-    _need(cfg.model.preset in PRESETS or Path(cfg.model.preset).is_dir(), "model.preset", f"{cfg.model.preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
+    preset = cfg.model.preset
+    _need(preset in PRESETS or (bool(preset) and Path(preset).is_dir()), "model.preset", f"{preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
+    if preset not in PRESETS:
+        _need((Path(preset) / "config.json").is_file(), "model.preset", f"directory {preset} has no config.json: not a transformers checkpoint (import one with scripts/import_checkpoint.py, or use a preset)")
     _need(not (cfg.model.backend == "vllm" and cfg.model.preset in PRESETS), "model.backend", "vllm serves a checkpoint directory; presets use the transformers backend")
     _need(cfg.model.temperature > 0, "model.temperature", "must be > 0 (behaviour log-probs need a proper distribution)")
     _need(0 < cfg.model.top_p <= 1, "model.top_p", "must be in (0, 1]")
@@ -239,6 +282,9 @@ def validate(cfg: Config) -> None:
     _need(cfg.eval.temperature > 0, "eval.temperature", "must be > 0")
     _need(cfg.checkpoint.every >= 1 and cfg.checkpoint.keep_last >= 1, "checkpoint.every/keep_last", "must be >= 1")
     _need(cfg.checkpoint.evidence_every >= 1, "checkpoint.evidence_every", "must be >= 1")
+    r = cfg.checkpoint.resume
+    _need(r in ("auto", "force", "never") or (Path(r) / "meta.json").is_file(), "checkpoint.resume",
+          f"{r!r} is neither auto, force, never nor a complete checkpoint directory (one with meta.json)")
     _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
     if cfg.deepspeed.config is not None:
         _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["WriteError", "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "atomic_dir",
+__all__ = ["WriteError", "as_write_error", "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "atomic_dir",
            "current_umask"]
 
 
@@ -86,6 +86,9 @@ def _as_write_error(err: BaseException, path: Path) -> BaseException:
             pass
         return WriteError(path, code, os.strerror(code), f"{type(err).__name__}: {str(err).splitlines()[0]}")
     return err
+
+
+as_write_error = _as_write_error  # public: callers that write through other libraries (accelerate) map errors too
 
 
 def _remove(path) -> None:

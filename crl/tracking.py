@@ -4,26 +4,45 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 from crl.io import atomic_write
+
+
+def read_records(path: Path, keep_lines: bool = False) -> list:
+    """The JSON records of a ``metrics.jsonl``; a torn *last* line is dropped with a warning, a torn earlier one raises."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                warnings.warn(f"{path}: dropped a torn last line (the run was killed while writing it): {line[:80]!r}", stacklevel=2)
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({line[:80]!r}); the file is corrupted") from None
+        out.append(line if keep_lines else record)
+    return out
 
 
 class MetricLogger:
     """Logs to wandb (``logging.wandb_mode``: offline by default, no account needed) and ``RUN_DIR/metrics.jsonl``.
 
     Only the main process logs (``enabled``). On resume, records past ``resume_step`` (logged by the killed run
-    after its last checkpoint) are dropped from the JSONL, so the file reads as one uninterrupted run.
+    after its last checkpoint) are dropped from the JSONL, so the file reads as one uninterrupted run; a torn last
+    line (the process died mid-write) is dropped with a warning. ``run_id`` (kept by the trainer in the run
+    directory) makes wandb continue the same run across restarts instead of starting an empty one.
     """
 
-    def __init__(self, run_dir: Path, cfg, enabled: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, cfg, enabled: bool = True, resume_step: int | None = None, run_id: str | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.run = None
         if not enabled:
             return
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept = [line for line in read_records(self.path, keep_lines=True) if json.loads(line)["step"] <= resume_step]
             atomic_write(self.path, lambda tmp: Path(tmp).write_text("".join(line + "\n" for line in kept)))
         elif resume_step is None and self.path.exists():
             self.path.unlink()  # a fresh run in an existing directory starts a fresh log
@@ -36,6 +55,7 @@ class MetricLogger:
             self.run = wandb.init(
                 project=cfg.logging.project, name=cfg.logging.run_name, mode=cfg.logging.wandb_mode,
                 dir=str(run_dir), config=to_dict(cfg), reinit="finish_previous",
+                id=run_id, resume="allow" if run_id else None,
             )
             # One x-axis for everything: the iteration (negative during the warm start), not wandb's own step.
             self.run.define_metric("iteration")
@@ -76,7 +96,7 @@ def plot_curves(jsonl: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
+    records = read_records(jsonl)
     cols = 3
     rows = math.ceil(len(PANELS) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows))

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 if "DS_ACCELERATOR" not in os.environ:  # must be set before DeepSpeed is first imported
@@ -51,11 +52,12 @@ from crl.collectors import CompactionCollector
 from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
 from crl.evidence import checkpoint_dir, write_evidence
-from crl.io import atomic_write_json, atomic_write_text
+from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, current_umask
 from crl.modules.generation import SamplingParams, make_backend
 from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.objectives.distributed import all_reduce_sum
+from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 from crl.tracking import MetricLogger, plot_curves
 from crl.warm_start import warm_start
 
@@ -129,11 +131,6 @@ def reduce_stats(stats: dict) -> dict:
     return dict(zip(keys, vec.tolist()))
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "meta.json").is_file())
-    return done[-1] if done else None
-
-
 class Trainer:
     """CompactionRL on one process or many (accelerate / DeepSpeed ZeRO-2/3). See the module docstring.
 
@@ -166,18 +163,41 @@ class Trainer:
             raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's max_position_embeddings={self.lm.config.max_position_embeddings}")
         self.lengths = stage_lengths(cfg)
         self.stage = 0
-        resume_from = self._find_resume_checkpoint()
 
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run_dir / "config.yaml", to_yaml(cfg))
+        # ---- the run directory: one writer, the newest intact checkpoint, the same config (crl/run_dir.py)
+        self._lock = RunDirLock(self.run_dir).acquire() if self.is_main else None
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _setup(self, cfg: Config) -> None:
+        resume_from = self._find_resume_checkpoint()
         resume_meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
-        self.logger = MetricLogger(self.run_dir, cfg, enabled=self.is_main, resume_step=resume_meta["iteration"] + 1 if resume_meta else None)
+        if resume_meta is not None:
+            diff = config_diff(resume_meta["config"], to_dict(cfg))
+            if diff and cfg.checkpoint.resume != "force":
+                raise RunDirError(
+                    f"run_dir {self.run_dir} holds a run with another config ({resume_from.name}); differing keys: "
+                    + "; ".join(diff) + ". Use another run_dir, or checkpoint.resume=force to continue with the new settings"
+                )
+        self.finished = resume_meta is not None and resume_meta["iteration"] >= cfg.train.iterations - 1
+        self.resumed_from = resume_from
+        if self.finished:  # nothing to train: no wandb run, no models beyond the check above
+            self.logger = None
+            return
+        if self.is_main:
+            for stale in [*(self.run_dir / "checkpoints").glob(".iter_*.tmp"), *(self.run_dir / "evidence").glob("iter_*/.rank_*.tmp")]:
+                shutil.rmtree(stale, ignore_errors=True)  # left by a run killed mid-write
+            atomic_write_text(self.run_dir / "config.yaml", to_yaml(cfg))
+        self.logger = MetricLogger(self.run_dir, cfg, enabled=self.is_main, resume_step=resume_meta["iteration"] + 1 if resume_meta else None,
+                                   run_id=self._wandb_run_id(fresh=resume_from is None))
 
         # ---- policy (warm-started), critic (initialised from the policy: the paper's init), optimizers, engines
-        actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature)
+        actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p)  # the sampler's distribution
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
-            self.warm_start(actor_net)
+            self.warm_start()
         critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone)
         self.frozen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if cfg.algo.frozen_summary else None
         self.gen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if self.stage3 else self.lm  # what the collector samples from
@@ -217,28 +237,47 @@ class Trainer:
         self.collector = self.make_collector("train", self.lengths[self.stage])
 
         self.start_iteration = 0
-        self._pinned: set[Path] = set()  # checkpoints referenced by evidence are never rotated away
         if resume_from is not None:
             self.resume(resume_from)
 
     # ------------------------------------------------------------------------------------------ set-up phases
     def _find_resume_checkpoint(self) -> Path | None:
+        """``checkpoint.resume``: auto/force → the newest checkpoint of run_dir that verifies; never; or a given one."""
         resume = self.cfg.checkpoint.resume
-        if resume == "auto":
-            return latest_checkpoint(self.run_dir)
         if resume == "never":
             return None
-        path = Path(resume)
-        if not (path / "meta.json").is_file():
-            raise ConfigValidationError(f"checkpoint.resume={resume} is not a complete checkpoint directory")
-        return path
+        if resume in ("auto", "force"):
+            return newest_intact_checkpoint(self.run_dir, report=print if self.is_main else (lambda _: None))
+        reason = verify_checkpoint(resume)
+        if reason is not None:
+            raise RunDirError(f"checkpoint.resume={resume} cannot be used: {reason}")
+        return Path(resume)
 
-    def warm_start(self, actor_net: CausalLMLogProbs) -> float:
-        """Supervised protocol/format warm start of the policy (:mod:`crl.warm_start`); returns the last NLL."""
+    def _wandb_run_id(self, fresh: bool) -> str | None:
+        """One wandb run per run directory: the id is kept in ``RUN_DIR/wandb_run_id`` and reused on resume."""
+        if self.cfg.logging.wandb_mode == "disabled" or not self.is_main:
+            return None
+        path = self.run_dir / "wandb_run_id"
+        if not fresh and path.is_file():
+            return path.read_text().strip()
+        run_id = uuid.uuid4().hex[:12]
+        atomic_write_text(path, run_id + "\n")
+        return run_id
+
+    def _release_lock(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
+
+    def warm_start(self) -> float:
+        """Supervised protocol/format warm start of the policy (:mod:`crl.warm_start`); returns the last NLL.
+
+        Demonstrations are scored under the full softmax (top_p=1): a likelihood of tokens outside a nucleus is -inf.
+        """
         cfg, w = self.cfg, self.cfg.warm_start
         suite = build_suite(cfg, self.lengths[0])
         return warm_start(
-            TensorDictModule(actor_net, MODEL_INPUT_KEYS, ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
+            TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), MODEL_INPUT_KEYS, ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
             self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
             summary_content=w.summary_content, log=self.logger.log, progress=self.is_main and cfg.logging.progress,
         )
@@ -253,7 +292,7 @@ class Trainer:
             sampling=self.eval_sampling if evaluation else self.sampling, max_action_tokens=cfg.model.max_action_tokens,
             summary_backend=self.frozen_backend, rank=self.rank, world_size=self.world,
             seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
-            progress=self.is_main and cfg.logging.progress,
+            step_timeout=cfg.env.step_timeout_s, progress=self.is_main and cfg.logging.progress,
         )
 
     def resume(self, checkpoint: Path) -> None:
@@ -413,41 +452,56 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoints, evidence
     def save_checkpoint(self, iteration: int) -> Path:
-        """Consolidated weights + accelerate state, built under a temporary name and renamed when complete."""
+        """Consolidated weights + accelerate state, built under a temporary name and renamed when complete.
+
+        ``meta.json`` is written last and carries the SHA-256 manifest of every other file (crl/run_dir.py). The
+        rename is the commit point: an evidence iteration's evidence is already on disk when it happens. On an
+        I/O failure the temporary directory is removed and a one-line :class:`~crl.io.WriteError` raised.
+        """
         acc, run_dir = self.accelerator, self.run_dir
         final = checkpoint_dir(run_dir, iteration)
-        tmp = final.with_name(f".{final.name}.tmp")
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp / "accelerate"))
-        actor_sd = acc.get_state_dict(self.actor_model)
-        critic_sd = acc.get_state_dict(self.critic_model)
-        mine = {"policy": self.backend.generator.get_state(), "frozen": self.frozen_backend.generator.get_state() if self.frozen_backend else None}
-        gens, cols = [None] * self.world, [None] * self.world
-        if torch.distributed.is_initialized():
-            torch.distributed.all_gather_object(gens, mine)
-            torch.distributed.all_gather_object(cols, self.collector.state_dict())
-        else:
-            gens, cols = [mine], [self.collector.state_dict()]
-        if self.is_main:
-            torch.save({k.removeprefix("lm."): v for k, v in actor_sd.items()}, tmp / "actor.pt")
-            torch.save(critic_sd, tmp / "critic.pt")
-            atomic_write_json(tmp / "actor_config.json", self.lm.config.to_dict())
-            if self.frozen_lm is not None:
-                torch.save(self.frozen_lm.state_dict(), tmp / "frozen_actor.pt")
-            torch.save({"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens}, tmp / "trainer_state.pt")
-            atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": self.stage, "world_size": self.world, "config": to_dict(self.cfg)})
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+        tmp = final.with_name(f".{final.name}.tmp")  # one name every rank can write its shards into
+        try:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            acc.wait_for_everyone()
+            acc.save_state(str(tmp / "accelerate"))
+            actor_sd = acc.get_state_dict(self.actor_model)
+            critic_sd = acc.get_state_dict(self.critic_model)
+            mine = {"policy": self.backend.generator.get_state(), "frozen": self.frozen_backend.generator.get_state() if self.frozen_backend else None}
+            gens, cols = [None] * self.world, [None] * self.world
+            if torch.distributed.is_initialized():
+                torch.distributed.all_gather_object(gens, mine)
+                torch.distributed.all_gather_object(cols, self.collector.state_dict())
+            else:
+                gens, cols = [mine], [self.collector.state_dict()]
+            if self.is_main:
+                atomic_torch_save(tmp / "actor.pt", {k.removeprefix("lm."): v for k, v in actor_sd.items()})
+                atomic_torch_save(tmp / "critic.pt", critic_sd)
+                atomic_write_json(tmp / "actor_config.json", self.lm.config.to_dict())
+                if self.frozen_lm is not None:
+                    atomic_torch_save(tmp / "frozen_actor.pt", self.frozen_lm.state_dict())
+                atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens})
+                atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": self.stage, "world_size": self.world,
+                                                      "config": to_dict(self.cfg), "files": file_manifest(tmp)})
+                os.chmod(tmp, 0o777 & ~current_umask())
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+        except BaseException as err:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            new = as_write_error(err, final)
+            if new is err:
+                raise
+            raise new from err
         acc.wait_for_everyone()
         return final
 
     def write_evidence(self, iteration: int, rollout: TensorDict, batch: TensorDict, checkpoint: Path) -> None:
-        """This rank's evidence of ``iteration`` for the audit (DESIGN §8); pins ``checkpoint`` against rotation."""
+        """This rank's evidence of ``iteration`` for the audit (DESIGN §8), pointing at ``checkpoint`` — the path the
+        checkpoint *will* have: evidence is written first, the checkpoint's rename commits the iteration."""
         a = self.cfg.algo
-        self._pinned.add(checkpoint)
         meta = {
             "estimator": {"gamma": a.gamma, "alpha": a.alpha, "lmbda": a.lmbda, "lambda_length": a.lambda_length,
                           "cross_trajectory": a.cross_trajectory, "value_target": a.value_target,
@@ -457,14 +511,17 @@ class Trainer:
             "aggregation": a.aggregation,
             "normalizers": self.step_log["normalizers"],
             "local_optimized_tokens": int(batch["loss_mask"].sum()),
+            "critic_warmup": iteration < self.cfg.train.critic_warmup_iterations,
+            "frozen_summary": a.frozen_summary,
         }
         write_evidence(self.run_dir, iteration, self.rank, rollout, batch.exclude("log_prob", "entropy"), self.step_log["grad_norms"], meta)
 
     def rotate_checkpoints(self) -> None:
-        """Keep the newest ``checkpoint.keep_last`` checkpoints plus every one that evidence points to."""
+        """Keep the newest ``checkpoint.keep_last`` checkpoints plus every one that evidence on disk points to."""
         if not self.is_main:
             return
-        ckpts = sorted(p for p in (self.run_dir / "checkpoints").glob("iter_*") if p not in self._pinned)
+        pinned = pinned_checkpoints(self.run_dir)
+        ckpts = sorted(p for p in (self.run_dir / "checkpoints").glob("iter_*") if p not in pinned)
         for old in ckpts[: -self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -472,6 +529,14 @@ class Trainer:
     def fit(self) -> None:
         """Train from ``start_iteration`` to ``train.iterations`` (see the module docstring)."""
         cfg, lengths = self.cfg, self.lengths
+        if self.finished:
+            if self.is_main:
+                print(f"run {self.run_dir} is already complete ({self.resumed_from.name} is iteration "
+                      f"{cfg.train.iterations} of {cfg.train.iterations}); nothing to do. Raise train.iterations to continue it.")
+                if (self.run_dir / "metrics.jsonl").is_file() and not (self.run_dir / "curves.png").is_file():
+                    plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+            self._release_lock()
+            return
         if self.start_iteration == 0 and cfg.eval.every >= 0:
             dev = self.evaluate()
             self.logger.log({"dev/success": dev, "dev/success_stage": self.evaluate(lengths[self.stage]) if len(lengths) > 1 else dev, "curriculum/stage": self.stage}, step=0)
@@ -500,17 +565,21 @@ class Trainer:
 
             evidence_now = (it + 1) % cfg.checkpoint.evidence_every == 0 or last
             if evidence_now or (it + 1) % cfg.checkpoint.every == 0:
-                ckpt = self.save_checkpoint(it)
-                if evidence_now:
-                    self.write_evidence(it, rollout, batch, ckpt)
+                if evidence_now:  # evidence first: the checkpoint's rename commits the iteration
+                    self.write_evidence(it, rollout, batch, checkpoint_dir(self.run_dir, it))
+                self.save_checkpoint(it)
                 self.rotate_checkpoints()
         self.close()
 
     def close(self) -> None:
-        """Wait for every rank, draw the curves, finish wandb and the accelerator."""
-        self.accelerator.wait_for_everyone()
-        if self.is_main:
-            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
-            print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, checkpoints/, evidence/)")
-        self.logger.close()
-        self.accelerator.end_training()
+        """Wait for every rank, draw the curves, finish wandb and the accelerator, release the run directory."""
+        try:
+            self.accelerator.wait_for_everyone()
+            if self.is_main and self.logger is not None:
+                plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+                print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, checkpoints/, evidence/)")
+            if self.logger is not None:
+                self.logger.close()
+            self.accelerator.end_training()
+        finally:
+            self._release_lock()

@@ -19,15 +19,28 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.yaml", help="YAML config (see crl/config.py)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.iterations=5 algo.lambda_length=segment")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of user errors (bad config, busy run_dir, disk full)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         from crl.trainer import Trainer  # after the config: a bad config fails fast, before torch is imported
 
-        trainer = Trainer(cfg)
+        Trainer(cfg).fit()
     except ConfigValidationError as err:
-        sys.exit(f"config error: {err}")
-    trainer.fit()
+        _user_error(args, f"config error: {err}")
+    except Exception as err:
+        from crl.run_dir import RunDirError
+
+        if not isinstance(err, (RunDirError, OSError)):
+            raise  # a bug, not a user error: the traceback is the report
+        _user_error(args, f"error: {err}")
+
+
+def _user_error(args, message: str) -> None:
+    """One line naming the key, file or path and the fix; the traceback only with --debug."""
+    if args.debug:
+        raise
+    sys.exit(message)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""The run directory as a durable record: one writer at a time, checkpoints that verify, evidence that stays valid.
+
+Rules (the trainer follows them; :mod:`crl.evidence` documents the layout):
+
+* **One writer.** :class:`RunDirLock` holds an exclusive ``flock`` on ``RUN_DIR/.lock`` for the life of a run; a
+  second run on the same directory is refused with the holder's pid, host and start time.
+* **Commit point.** An iteration's evidence is written *before* its checkpoint is renamed into place, so every
+  visible checkpoint of an evidence iteration has its evidence; a run killed in between redoes that iteration.
+* **Checkpoints verify.** ``meta.json`` (written last) carries a SHA-256 manifest of every other file;
+  :func:`newest_intact_checkpoint` skips, with the reason, any checkpoint whose files are missing, truncated or
+  altered, and resumes from the newest that verifies.
+* **Pinned by evidence.** Checkpoints that evidence points to are never rotated away; the pinned set is read
+  from the evidence on disk (:func:`pinned_checkpoints`), so it survives restarts.
+* **Same run, same config.** :func:`config_diff` lists the keys in which a resumed run's config differs from the
+  checkpoint's; the trainer refuses such a resume unless ``checkpoint.resume=force``.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+__all__ = [
+    "RunDirError", "RunDirLock", "file_manifest", "verify_checkpoint", "newest_intact_checkpoint",
+    "pinned_checkpoints", "config_diff", "RESUME_SAFE_KEYS",
+]
+
+# Keys that may change between a run and its resumption without changing what it computes.
+RESUME_SAFE_KEYS = ("run_dir", "train.iterations", "checkpoint.", "logging.")
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (in use by another run, or a resume that would mix configs)."""
+
+
+class RunDirLock:
+    """Exclusive lock on ``RUN_DIR/.lock`` (``fcntl.flock``: released by the kernel when the process dies)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown process"
+            os.close(fd)
+            raise RunDirError(
+                f"run_dir {self.path.parent} is in use by another run ({holder}); wait for it to finish, "
+                "or give this run another run_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_manifest(directory: str | os.PathLike, exclude: tuple[str, ...] = ("meta.json",)) -> dict[str, dict]:
+    """``{relative path: {"size", "sha256"}}`` of every file under ``directory`` (sorted, ``exclude`` left out)."""
+    root = Path(directory)
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel not in exclude:
+            out[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """``None`` if the checkpoint at ``path`` is complete and intact, else the reason it is not (one line)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        return "meta.json is missing"
+    except (OSError, ValueError) as err:
+        return f"meta.json is unreadable ({type(err).__name__})"
+    manifest = meta.get("files")
+    if not isinstance(manifest, dict) or not manifest:
+        return "meta.json has no file manifest (written by an older crl?)"
+    for rel, want in manifest.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{rel} has {f.stat().st_size} bytes, the manifest says {want['size']}"
+        if _sha256(f) != want["sha256"]:
+            return f"{rel} does not match its SHA-256 in the manifest"
+    return None
+
+
+def newest_intact_checkpoint(run_dir: str | os.PathLike, report=print) -> Path | None:
+    """The newest ``checkpoints/iter_*`` that verifies; ``report`` gets one line per newer one skipped and why."""
+    for ckpt in sorted((Path(run_dir) / "checkpoints").glob("iter_*"), reverse=True):
+        reason = verify_checkpoint(ckpt)
+        if reason is None:
+            return ckpt
+        report(f"skipping checkpoint {ckpt}: {reason}")
+    return None
+
+
+def pinned_checkpoints(run_dir: str | os.PathLike) -> set[Path]:
+    """Checkpoints that some evidence on disk points to (``evidence/iter_*/rank_*/meta.json`` → ``checkpoint``)."""
+    run_dir = Path(run_dir)
+    pinned = set()
+    for meta in (run_dir / "evidence").glob("iter_*/rank_*/meta.json"):
+        try:
+            pinned.add(run_dir / json.loads(meta.read_text())["checkpoint"])
+        except (OSError, ValueError, KeyError):
+            continue  # a torn evidence meta pins nothing; the audit reports it
+    return pinned
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_diff(stored: dict, requested: dict, ignore: tuple[str, ...] = RESUME_SAFE_KEYS) -> list[str]:
+    """``["key: stored -> requested", ...]`` for every differing key not matched by ``ignore`` (exact or prefix)."""
+    a, b = _flatten(stored), _flatten(requested)
+    lines = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            lines.append(f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}")
+    return lines
