@@ -537,38 +537,42 @@ class Trainer:
                     plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             self._release_lock()
             return
-        if self.start_iteration == 0 and cfg.eval.every >= 0:
-            dev = self.evaluate()
-            self.logger.log({"dev/success": dev, "dev/success_stage": self.evaluate(lengths[self.stage]) if len(lengths) > 1 else dev, "curriculum/stage": self.stage}, step=0)
-        bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", initial=self.start_iteration,
-                   total=cfg.train.iterations, disable=not (self.is_main and cfg.logging.progress))
-        for it in bar:
-            t0 = time.perf_counter()
-            self._reset_step_log()
-            rollout = self.collect()
-            batch = self.compute_advantages(rollout)
-            self.update_critic(batch)
-            if it >= cfg.train.critic_warmup_iterations:
-                self.update_policy(batch, it)
-            self.sync_policy_weights()
+        try:
+            if self.start_iteration == 0 and cfg.eval.every >= 0:
+                dev = self.evaluate()
+                self.logger.log({"dev/success": dev, "dev/success_stage": self.evaluate(lengths[self.stage]) if len(lengths) > 1 else dev, "curriculum/stage": self.stage}, step=0)
+            bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", initial=self.start_iteration,
+                       total=cfg.train.iterations, disable=not (self.is_main and cfg.logging.progress))
+            for it in bar:
+                t0 = time.perf_counter()
+                self._reset_step_log()
+                rollout = self.collect()
+                batch = self.compute_advantages(rollout)
+                self.update_critic(batch)
+                if it >= cfg.train.critic_warmup_iterations:
+                    self.update_policy(batch, it)
+                self.sync_policy_weights()
 
-            log = self.iteration_metrics(batch, t0)
-            last = it == cfg.train.iterations - 1
-            if (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or last:
-                log["dev/success"] = self.evaluate()
-                if len(lengths) > 1:
-                    log["dev/success_stage"] = self.evaluate(lengths[self.stage])
-            self.logger.log(log, step=it + 1)
-            bar.set_postfix(success=f"{log['train/success']:.2f}", dev=f"{log.get('dev/success', float('nan')):.2f}")
-            if self.advance_curriculum(log["train/success"]) and self.is_main:  # before the checkpoint: a resumed run continues in the new stage
-                tqdm.write(f"iteration {it + 1}: train success {log['train/success']:.2f} -> curriculum stage {self.stage} (length {lengths[self.stage]})")
+                log = self.iteration_metrics(batch, t0)
+                last = it == cfg.train.iterations - 1
+                if (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or last:
+                    log["dev/success"] = self.evaluate()
+                    if len(lengths) > 1:
+                        log["dev/success_stage"] = self.evaluate(lengths[self.stage])
+                self.logger.log(log, step=it + 1)
+                bar.set_postfix(success=f"{log['train/success']:.2f}", dev=f"{log.get('dev/success', float('nan')):.2f}")
+                if self.advance_curriculum(log["train/success"]) and self.is_main:  # before the checkpoint: a resumed run continues in the new stage
+                    tqdm.write(f"iteration {it + 1}: train success {log['train/success']:.2f} -> curriculum stage {self.stage} (length {lengths[self.stage]})")
 
-            evidence_now = (it + 1) % cfg.checkpoint.evidence_every == 0 or last
-            if evidence_now or (it + 1) % cfg.checkpoint.every == 0:
-                if evidence_now:  # evidence first: the checkpoint's rename commits the iteration
-                    self.write_evidence(it, rollout, batch, checkpoint_dir(self.run_dir, it))
-                self.save_checkpoint(it)
-                self.rotate_checkpoints()
+                evidence_now = (it + 1) % cfg.checkpoint.evidence_every == 0 or last
+                if evidence_now or (it + 1) % cfg.checkpoint.every == 0:
+                    if evidence_now:  # evidence first: the checkpoint's rename commits the iteration
+                        self.write_evidence(it, rollout, batch, checkpoint_dir(self.run_dir, it))
+                    self.save_checkpoint(it)
+                    self.rotate_checkpoints()
+        except BaseException:
+            self._release_lock()  # a killed process frees it anyway; an in-process caller must be able to retry
+            raise
         self.close()
 
     def close(self) -> None:

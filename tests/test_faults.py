@@ -598,3 +598,298 @@ def test_causal_lm_log_probs_rejects_bad_top_p(tok_lm):
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="top_p"):
             CausalLMLogProbs(tok_lm[2], 1.0, top_p=bad)
+
+
+# ============================================================================================================
+# 5. trainer (rows on resume, commit order, critic warm-up / frozen evidence, reruns, doubled runs, corrupted
+#    checkpoints, torn metrics, bad inputs, step timeout, disk full, top-p through the trainer)
+# ============================================================================================================
+import json  # noqa: E402
+
+from crl.config import ConfigValidationError, load_config  # noqa: E402
+from crl.run_dir import RunDirError, RunDirLock  # noqa: E402
+
+TRAIN_TINY = [
+    "train.episodes_per_batch=4", "warm_start.steps=4", "warm_start.batch_episodes=4", "eval.episodes=4",
+    "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false", "train.critic_warmup_iterations=0",
+]
+CLI_ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
+
+
+def trainer_cfg(run_dir, *overrides):
+    return load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TRAIN_TINY, *overrides])
+
+
+def fit(run_dir, *overrides):
+    from crl.trainer import Trainer
+
+    trainer = Trainer(trainer_cfg(run_dir, *overrides))
+    trainer.fit()
+    return trainer
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL at a chosen point (the in-process run stops there; nothing after it runs)."""
+
+
+def kill_at(monkeypatch, method: str, iteration: int, before: bool = True):
+    """Make ``Trainer.<method>(iteration, ...)`` die before (or after) doing its work at ``iteration``."""
+    from crl.trainer import Trainer
+
+    orig = getattr(Trainer, method)
+
+    def wrapped(self, it, *args, **kwargs):
+        if it == iteration and before:
+            raise Killed(f"{method}({it})")
+        out = orig(self, it, *args, **kwargs)
+        if it == iteration:
+            raise Killed(f"after {method}({it})")
+        return out
+
+    monkeypatch.setattr(Trainer, method, wrapped)
+
+
+def audit(run_dir):
+    proc = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def metric_lines(run_dir):
+    """Iteration records (the warm start logs at negative steps)."""
+    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["step"] >= 0]
+
+
+# The audit requires non-zero gradient norms: enough warm start that some episodes succeed (rewards not all 0).
+AUDITABLE = ("warm_start.steps=60", "train.episodes_per_batch=8")
+
+
+def test_resume_keeps_checkpoints_pinned_by_evidence_on_disk(tmp_path, monkeypatch):
+    """Row: kill + resume with evidence_every=2 keep_last=1 deleted the checkpoint earlier evidence points to."""
+    args = ("train.iterations=4", "checkpoint.every=1", "checkpoint.keep_last=1", "checkpoint.evidence_every=2", *AUDITABLE)
+    kill_at(monkeypatch, "save_checkpoint", 2, before=False)  # killed right after iteration 2's checkpoint
+    with pytest.raises(Killed):
+        fit(tmp_path / "run", *args)
+    monkeypatch.undo()
+    fit(tmp_path / "run", *args)
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("iter_*"))
+    # iter_000001 is pinned by evidence the killed run wrote; keep_last=1 keeps the newest unpinned one besides
+    assert ckpts == ["iter_000001", "iter_000002", "iter_000003"]
+    code, out = audit(tmp_path / "run")
+    assert code == 0 and "audit: PASS" in out, out
+
+
+def test_kill_between_evidence_and_checkpoint_redoes_the_iteration(tmp_path, monkeypatch):
+    """Row: killed after a checkpoint became visible but before that iteration's evidence: evidence now comes first,
+    so a kill at the checkpoint leaves the iteration uncommitted and the rerun redoes it (audit PASS)."""
+    args = ("train.iterations=3", "checkpoint.every=1", "checkpoint.evidence_every=2", *AUDITABLE)
+    kill_at(monkeypatch, "save_checkpoint", 1)  # evidence of iteration 1 written, its checkpoint not yet renamed
+    with pytest.raises(Killed):
+        fit(tmp_path / "run", *args)
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    assert (run / "evidence" / "iter_000001" / "rank_0" / "meta.json").is_file()
+    assert not (run / "checkpoints" / "iter_000001").exists() and not list((run / "checkpoints").glob(".*.tmp")) is None
+    trainer = fit(run, *args)
+    assert trainer.resumed_from.name == "iter_000000"
+    assert (run / "checkpoints" / "iter_000001").is_dir()
+    assert [r["step"] for r in metric_lines(run)] == [0, 1, 2, 3]
+    code, out = audit(run)
+    assert code == 0 and "audit: PASS" in out, out
+
+
+def test_evidence_on_critic_warmup_iterations_passes_the_audit(tmp_path):
+    """Row: evidence on a critic warm-up iteration (the trainer never wrote critic_warmup into the meta)."""
+    run = tmp_path / "run"
+    fit(run, "train.iterations=4", "train.critic_warmup_iterations=3", "checkpoint.evidence_every=2", *AUDITABLE)
+    metas = [json.loads((run / "evidence" / f"iter_{i:06d}" / "rank_0" / "meta.json").read_text()) for i in (1, 3)]
+    assert [m["critic_warmup"] for m in metas] == [True, False]
+    code, out = audit(run)
+    assert code == 0 and "audit: PASS" in out, out
+
+
+def test_frozen_summary_run_passes_the_audit(tmp_path):
+    """Row: frozen-summary runs could never PASS the audit (no SUMMARY tokens)."""
+    run = tmp_path / "run"
+    fit(run, "train.iterations=1", "algo.frozen_summary=true", "checkpoint.evidence_every=1", *AUDITABLE, "train.episodes_per_batch=16")
+    code, out = audit(run)
+    assert code == 0 and "audit: PASS" in out and "frozen_summary_not_trained" in out, out
+
+
+def test_rerun_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    """Row: rerun of a finished run started a new empty wandb run and rewrote the curves."""
+    run = tmp_path / "run"
+    fit(run, "train.iterations=1")
+    before = (run / "metrics.jsonl").read_bytes()
+    (run / "curves.png").unlink()  # e.g. killed after the last checkpoint, before the curves
+    capsys.readouterr()
+    trainer = fit(run, "train.iterations=1", "logging.wandb_mode=offline")  # would start wandb if it trained
+    assert trainer.finished and trainer.logger is None
+    assert "already complete" in capsys.readouterr().out
+    assert (run / "metrics.jsonl").read_bytes() == before and (run / "curves.png").is_file()
+    assert not (run / "wandb").exists()
+
+
+def test_wandb_resumes_the_same_run_id(tmp_path, monkeypatch):
+    """Row: on restart wandb must continue the same run (the id is kept in the run directory)."""
+    run = tmp_path / "run"
+    args = ("train.iterations=2", "checkpoint.every=1", "logging.wandb_mode=offline")
+    kill_at(monkeypatch, "save_checkpoint", 1)
+    with pytest.raises(Killed):
+        fit(run, *args)
+    monkeypatch.undo()
+    run_id = (run / "wandb_run_id").read_text().strip()
+    fit(run, *args)
+    assert (run / "wandb_run_id").read_text().strip() == run_id
+    runs = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs
+
+
+@pytest.mark.parametrize("change", [["train.actor_lr=0.005"], ["model.preset=llama-tiny"]])
+def test_resume_with_another_config_is_refused_with_a_diff(tmp_path, change):
+    """Row: rerun with different hyper-parameters or another model.preset silently continued (or crashed)."""
+    run = tmp_path / "run"
+    fit(run, "train.iterations=1")
+    stored = (run / "config.yaml").read_text()
+    with pytest.raises(RunDirError) as err:
+        fit(run, "train.iterations=2", *change)
+    key = change[0].split("=")[0]
+    assert key in str(err.value) and "checkpoint.resume=force" in str(err.value)
+    assert (run / "config.yaml").read_text() == stored  # nothing overwritten
+    if key == "train.actor_lr":  # opting in continues with the new settings
+        trainer = fit(run, "train.iterations=2", *change, "checkpoint.resume=force")
+        assert trainer.start_iteration == 1 and metric_lines(run)[-1]["step"] == 2
+
+
+def test_second_run_on_the_same_run_dir_is_refused_naming_the_holder(tmp_path):
+    """Row: two runs on one run_dir both exited 0 with duplicated metrics and overwritten checkpoints."""
+    from crl.trainer import Trainer
+
+    run = tmp_path / "run"
+    first = Trainer(trainer_cfg(run, "train.iterations=1"))
+    with pytest.raises(RunDirError, match=f"pid {os.getpid()}"):
+        Trainer(trainer_cfg(run, "train.iterations=1"))
+    first.fit()  # the first run is unaffected and releases the directory when done
+    Trainer(trainer_cfg(run, "train.iterations=1")).fit()  # now free (and complete)
+
+
+def test_cli_second_run_exits_non_zero_with_one_line(tmp_path):
+    run = tmp_path / "run"
+    with RunDirLock(run):
+        proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={run}", *TRAIN_TINY], cwd=ROOT, env=CLI_ENV,
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: run_dir") and "in use" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("victim", ["trainer_state.pt", "actor.pt", "accelerate/model.safetensors", "meta.json"])
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, victim, capsys):
+    """Row: a truncated trainer_state.pt / accelerate safetensors / actor.pt gave a raw traceback or went unnoticed."""
+    run = tmp_path / "run"
+    fit(run, "train.iterations=2", "checkpoint.every=1")
+    bad = run / "checkpoints" / "iter_000001" / victim
+    assert bad.is_file(), sorted(p.relative_to(bad.parents[len(Path(victim).parts) - 1]) for p in bad.parents[len(Path(victim).parts) - 1].rglob("*"))
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    capsys.readouterr()
+    trainer = fit(run, "train.iterations=3", "checkpoint.every=1")
+    assert trainer.resumed_from.name == "iter_000000"
+    out = capsys.readouterr().out
+    assert "skipping checkpoint" in out and "iter_000001" in out
+    assert [r["step"] for r in metric_lines(run)] == [0, 1, 2, 3]
+
+
+def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, monkeypatch):
+    """Row: a half-written last line in metrics.jsonl crashed resume with JSONDecodeError."""
+    run = tmp_path / "run"
+    kill_at(monkeypatch, "save_checkpoint", 1)
+    with pytest.raises(Killed):
+        fit(run, "train.iterations=2", "checkpoint.every=1")
+    monkeypatch.undo()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "train/succ')
+    with pytest.warns(UserWarning, match="torn last line"):
+        fit(run, "train.iterations=2", "checkpoint.every=1")
+    assert [r["step"] for r in metric_lines(run)] == [0, 1, 2]
+
+
+BAD_INPUTS = {
+    "preset garbage": (["model.preset=no-such-model"], None, "model.preset"),
+    "preset empty dir": (["model.preset={empty}"], None, "model.preset"),
+    "YAML syntax error": ([], "train:\n  iterations: [1, 2\n", "YAML syntax error"),
+    "YAML top-level list": ([], "- train\n- model\n", "top level must be a mapping"),
+    "keep_recent=-1": (["compaction.keep_recent=-1"], None, "compaction.keep_recent"),
+    "actor_lr=inf": (["train.actor_lr=inf"], None, "train.actor_lr"),
+    "critic_lr=nan": (["train.critic_lr=nan"], None, "train.critic_lr"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_inputs_fail_with_one_line_and_no_run_dir(tmp_path, case):
+    """Row: garbage presets, YAML errors, negative budgets, infinite rates: raw tracebacks or a NaN crash mid-run."""
+    overrides, yaml_text, match = BAD_INPUTS[case]
+    (tmp_path / "empty").mkdir()
+    overrides = [o.format(empty=tmp_path / "empty") for o in overrides]
+    config = "configs/default.yaml"
+    if yaml_text is not None:
+        config = tmp_path / "bad.yaml"
+        config.write_text(yaml_text)
+    with pytest.raises(ConfigValidationError, match=match):
+        load_config(ROOT / config if isinstance(config, str) else config, overrides)
+    run = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "scripts/train.py", "--config", str(config), f"run_dir={run}", *overrides],
+                          cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error:") and match in lines[0], proc.stderr
+    assert not run.exists()
+
+
+def test_step_timeout_reaches_the_collector(tmp_path):
+    """Row: train.py passed no step timeout and there was no config key."""
+    from crl.trainer import Trainer
+
+    trainer = Trainer(trainer_cfg(tmp_path / "run", "train.iterations=1", "env.step_timeout_s=2.5"))
+    assert trainer.collector.step_timeout == 2.5
+    assert trainer.make_collector("dev", None, evaluation=True).step_timeout == 2.5
+    trainer.close()
+    with pytest.raises(ConfigValidationError, match="env.step_timeout_s"):
+        trainer_cfg(tmp_path / "x", "env.step_timeout_s=0")
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path):
+    """Row: unwritable run_dir gave a raw OSError."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={blocker / 'run'}", *TRAIN_TINY], cwd=ROOT, env=CLI_ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error:") and str(blocker) in line and "Errno" in line, line
+
+
+def test_disk_full_at_a_checkpoint_removes_the_temp_dir(tmp_path, monkeypatch):
+    """Row: disk full at a checkpoint gave an iostream error and left an 11 MB .iter_N.tmp."""
+    import crl.trainer as trainer_mod
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(trainer_mod, "atomic_torch_save", full)
+    with pytest.raises(OSError) as err:
+        fit(tmp_path / "run", "train.iterations=1")
+    assert err.value.errno == errno.ENOSPC and "checkpoints/iter_000000" in str(err.value) and len(str(err.value).splitlines()) == 1
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*"))
+
+
+def test_top_p_first_policy_update_has_ratio_one(tmp_path):
+    """Row: model.top_p < 1: the learner's log-probs were not those of the sampling distribution."""
+    from crl.trainer import Trainer
+
+    trainer = Trainer(trainer_cfg(tmp_path / "run", "train.iterations=1", "model.top_p=0.8"))
+    trainer._reset_step_log()
+    batch = trainer.compute_advantages(trainer.collect())
+    trainer.update_policy(batch, iteration=0)
+    m = trainer.step_log["metrics"]
+    assert max(abs(v) for v in m["policy/approx_kl"]) < 1e-6 and max(m["policy/clip_fraction"]) == 0.0
+    trainer.close()
