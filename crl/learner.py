@@ -305,6 +305,8 @@ class PrefixSharedForward(TensorDictModuleBase):
             self.counters[k] = self.counters.get(k, 0) + v
         S, T = tokens.shape
         dev = tokens.device
+        # agree on the number of forward calls *before* the first one: DDP / ZeRO-3 forwards are collectives too
+        extra = self._num_calls(len(plan.chunks), dev) - len(plan.chunks)
         bufs: list[list[Tensor]] = [[] for _ in self.out_keys]
         for rows, length in plan.chunks:
             r = rows.to(dev)
@@ -316,7 +318,6 @@ class PrefixSharedForward(TensorDictModuleBase):
                 if T > length:
                     x = torch.cat([x, x.new_zeros((x.shape[0], T - length) + tuple(x.shape[2:]))], dim=1)
                 buf.append(x)
-        extra = self._num_calls(len(plan.chunks), dev) - len(plan.chunks)
         dummy = None
         for _ in range(extra):  # keep ranks in lock-step; the outputs join the graph with weight 0
             res = self.net(tokens[:1, :1], torch.ones_like(mask[:1, :1]))
@@ -385,7 +386,10 @@ def enable_gradient_checkpointing(module: nn.Module) -> int:
     n = 0
     for m in module.modules():
         if hasattr(m, "gradient_checkpointing_enable") and getattr(m, "supports_gradient_checkpointing", False):
-            if not getattr(m, "is_gradient_checkpointing", False):
+            if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                if not m.is_activation_checkpointing:
+                    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            elif not m.is_gradient_checkpointing:
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             n += 1
     return n
