@@ -268,7 +268,10 @@ def _gc_child(args) -> None:
     torch.set_num_threads(1)
     spec = json.loads(args.gc_child)
     lm = build_causal_lm(spec["preset"], vocab_size=spec["vocab"], max_positions=4096, seed=0)
-    batch = with_behaviour(synthetic_batch(spec["rollouts"], 3, spec["vocab"], seed=1, seg_len=tuple(spec["seg_len"])), lm)
+    batch = synthetic_batch(spec["rollouts"], 3, spec["vocab"], seed=1, seg_len=tuple(spec["seg_len"]))
+    # no model forward before the baseline (ru_maxrss is a high-water mark): behaviour log-probs from noise
+    noise = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(0))
+    batch["sample_log_prob"] = torch.where(batch["loss_mask"], -4.0 + 0.1 * noise, 0.0)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     Learner(lm, True, spec["micro_batches"], 1, gc=spec["gc"]).update(batch)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -296,12 +299,21 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--repeats", type=int, default=None, help="timed updates per learner (after one warm-up)")
     parser.add_argument("--gc", action="store_true", help="also measure peak RSS with gradient checkpointing")
+    parser.add_argument("--gc-only", action="store_true", help="only the --gc measurement, merged into an existing --out JSON")
     parser.add_argument("--gc-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.gc_child:
         return _gc_child(args)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if args.gc_only:
+        preset, rollouts, seg_len = ("llama-tiny", 2, (200, 400)) if args.quick else ("llama-small", 4, (1000, 2000))
+        gc = measure_gc({"preset": preset, "vocab": 115, "rollouts": rollouts, "seg_len": list(seg_len), "micro_batches": 2})
+        if args.out:
+            res = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+            res["gradient_checkpointing"] = gc
+            Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+        return
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, 1 thread",
                "quick": args.quick, "workloads": []}
 
