@@ -39,7 +39,7 @@ from tensordict import TensorDict  # noqa: E402
 from tensordict.nn import TensorDictModule  # noqa: E402
 
 from crl.episode import EpisodeStatus, Provenance, Segment, SegmentKind, build_episode, concat_episodes  # noqa: E402
-from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, learner_metrics, split_microbatches  # noqa: E402
+from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, learner_metrics, split_microbatches, split_rows  # noqa: E402
 from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm  # noqa: E402
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE  # noqa: E402
 
@@ -126,19 +126,6 @@ def with_behaviour(td: TensorDict, lm, seed: int = 0) -> TensorDict:
 
 
 # ------------------------------------------------------------------------------------------------ learners
-def split_rows(td: TensorDict, n: int) -> list[TensorDict]:
-    """Today's micro-batching (scripts/train.py): consecutive rows, each padded to the batch's T."""
-    parts = []
-    for idx in np.array_split(np.arange(td.batch_size[0]), n):
-        if len(idx):
-            parts.append(td[torch.as_tensor(idx)])
-        else:
-            empty = td[:1].clone()
-            empty["loss_mask"].zero_()
-            parts.append(empty)
-    return parts
-
-
 class Learner:
     """Actor + critic + losses + optimizers; ``shared`` picks the forward wrapper and the micro-batching."""
 

@@ -35,6 +35,16 @@ class ModelConfig:
     top_p: float = 1.0
     max_action_tokens: int = 8
     backend: str = "transformers"  # or "vllm" (optional extra, GPU)
+    gradient_checkpointing: bool = False  # recompute activations in backward (actor and critic): less memory, more time
+
+
+@dataclass
+class LearnerConfig:
+    """How the learner runs the actor and the critic over segment rows (crl/learner.py); the maths is unchanged."""
+
+    prefix_sharing: bool = True  # an execution segment that prefixes the next summary row is read from that row's forward
+    max_padding: float = 0.04  # padding allowed per length bucket (fraction of the positions it processes)
+    max_chunk_tokens: Optional[int] = None  # positions per forward call (bounds activation memory); null: unbounded
 
 
 @dataclass
@@ -152,6 +162,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     compaction: CompactionSettings = field(default_factory=CompactionSettings)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -252,6 +263,8 @@ def validate(cfg: Config) -> None:
     _need(0.0 <= e.distractor_rate <= 1.0, "env.distractor_rate", f"must be in [0, 1], got {e.distractor_rate}")
     _need(e.step_timeout_s is None or e.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0 seconds or null, got {e.step_timeout_s}")
     _need(bool(cfg.run_dir), "run_dir", "must name a directory")
+    _need(0.0 <= cfg.learner.max_padding < 1.0, "learner.max_padding", f"must be in [0, 1), got {cfg.learner.max_padding}")
+    _need(cfg.learner.max_chunk_tokens is None or cfg.learner.max_chunk_tokens >= 1, "learner.max_chunk_tokens", "must be >= 1 or null")
     _need((a.alpha is None) != (a.lmbda is None), "algo.alpha/algo.lmbda", "set exactly one (alpha for the length-adaptive λ, lmbda for a fixed λ; null the other)")
     _need(0.0 <= a.gamma <= 1.0, "algo.gamma", f"must be in [0, 1], got {a.gamma}")
     if a.lmbda is not None:

@@ -44,6 +44,7 @@ __all__ = [
     "plan_forward",
     "PrefixSharedForward",
     "split_microbatches",
+    "split_rows",
     "learner_metrics",
     "enable_gradient_checkpointing",
 ]
@@ -373,6 +374,20 @@ def split_microbatches(td: TensorDictBase, n: int, *, plan: ForwardPlan | None =
     for rows in bins:
         if rows:
             parts.append(td[torch.tensor(sorted(rows), dtype=torch.long)])
+        else:
+            empty = td[:1].clone()
+            empty["loss_mask"].zero_()
+            parts.append(empty)
+    return parts
+
+
+def split_rows(td: TensorDictBase, n: int) -> list[TensorDictBase]:
+    """The naive learner's micro-batching (``learner.prefix_sharing=false``): exactly ``n`` groups of consecutive
+    rows, each padded to the batch's ``T``; an empty one is a zero-loss-mask row (DeepSpeed needs ``n`` everywhere)."""
+    parts = []
+    for idx in torch.arange(td.batch_size[0]).tensor_split(n):
+        if len(idx):
+            parts.append(td[idx])
         else:
             empty = td[:1].clone()
             empty["loss_mask"].zero_()

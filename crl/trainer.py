@@ -53,6 +53,7 @@ from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
 from crl.evidence import checkpoint_dir, write_evidence
 from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, current_umask
+from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, plan_forward, split_microbatches, split_rows
 from crl.modules.generation import SamplingParams, make_backend
 from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
@@ -61,7 +62,7 @@ from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, new
 from crl.tracking import MetricLogger, plot_curves
 from crl.warm_start import warm_start
 
-__all__ = ["Trainer", "make_accelerator", "split_rows"]
+__all__ = ["Trainer", "make_accelerator"]
 
 MODEL_INPUT_KEYS = ["tokens", "attention_mask"]  # what the actor and the critic read from a segment row
 
@@ -96,19 +97,6 @@ def make_accelerator(cfg: Config):
     return accelerator, ds
 
 
-def split_rows(td: TensorDict, n: int) -> list[TensorDict]:
-    """Exactly ``n`` micro-batches (DeepSpeed needs the same count on every rank); an empty one is a zero-weight row."""
-    parts = []
-    for idx in np.array_split(np.arange(td.batch_size[0]), n):
-        if len(idx):
-            parts.append(td[torch.as_tensor(idx)])
-        else:  # a row with no optimized token: a real forward/backward that contributes nothing
-            empty = td[:1].clone()
-            empty["loss_mask"].zero_()
-            parts.append(empty)
-    return parts
-
-
 def episode_stats(episodes) -> dict:
     """Counts over one rank's :class:`~crl.collectors.compaction_collector.EpisodeSummary` list (summed over ranks later)."""
     return {
@@ -129,6 +117,15 @@ def reduce_stats(stats: dict) -> dict:
     keys = sorted(stats)
     vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64))
     return dict(zip(keys, vec.tolist()))
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this process so far: CUDA allocator peak on GPU, resident set size (``ru_maxrss``) on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 class Trainer:
@@ -199,6 +196,9 @@ class Trainer:
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             self.warm_start()
         critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(actor_net)
+            enable_gradient_checkpointing(critic_net)
         self.frozen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if cfg.algo.frozen_summary else None
         self.gen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if self.stage3 else self.lm  # what the collector samples from
         t = cfg.train
@@ -211,8 +211,14 @@ class Trainer:
             self.critic_model, self.critic_opt = self.accelerator.prepare(critic_net, critic_opt)
         else:
             self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = self.accelerator.prepare(actor_net, critic_net, actor_opt, critic_opt)
-        self.actor = TensorDictModule(self.actor_model, MODEL_INPUT_KEYS, ["log_prob", "entropy"])
-        self.critic = TensorDictModule(self.critic_model, MODEL_INPUT_KEYS, ["state_value"])
+        L = cfg.learner
+        if L.prefix_sharing:  # each token computed once: crl/learner.py
+            shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
+            self.actor = PrefixSharedForward(self.actor_model, ["log_prob", "entropy"], **shared)
+            self.critic = PrefixSharedForward(self.critic_model, ["state_value"], **shared)
+        else:  # one padded forward of every segment row per micro-batch
+            self.actor = TensorDictModule(self.actor_model, MODEL_INPUT_KEYS, ["log_prob", "entropy"])
+            self.critic = TensorDictModule(self.critic_model, MODEL_INPUT_KEYS, ["state_value"])
 
         # ---- estimator and losses (DESIGN §4–§5)
         a = cfg.algo
@@ -237,6 +243,7 @@ class Trainer:
         self.collector = self.make_collector("train", self.lengths[self.stage])
 
         self.start_iteration = 0
+        self._reset_step_log()  # fit() starts a fresh one each iteration
         if resume_from is not None:
             self.resume(resume_from)
 
@@ -324,9 +331,32 @@ class Trainer:
         """A copy of ``rollout`` with the critic's ``state_value`` and the estimator's ``advantage``/``value_target``."""
         batch = rollout.clone()
         with torch.no_grad():
-            values = [self.critic(mb.select(*MODEL_INPUT_KEYS).clone())["state_value"] for mb in split_rows(batch, self.cfg.train.micro_batches)]
-        batch["state_value"] = torch.cat(values)[: batch.batch_size[0]] * batch["loss_mask"]
+            if self.cfg.learner.prefix_sharing:  # no graph kept: the whole batch at once, chunked by the plan
+                values = self.critic(batch.select(*self.critic.in_keys).clone())["state_value"]
+            else:
+                values = torch.cat([self.critic(mb.select(*MODEL_INPUT_KEYS).clone())["state_value"] for mb in self.split(batch)])
+        batch["state_value"] = values[: batch.batch_size[0]] * batch["loss_mask"]
         return self.estimator(batch)
+
+    def split(self, td: TensorDict) -> list[TensorDict]:
+        """Exactly ``train.micro_batches`` micro-batches (the same count on every rank, as DeepSpeed needs)."""
+        L, n = self.cfg.learner, self.cfg.train.micro_batches
+        if L.prefix_sharing:  # balanced by forward tokens; a prefix pair never splits
+            return split_microbatches(td, n, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
+        return split_rows(td, n)
+
+    def learner_metrics(self, batch: TensorDict) -> dict:
+        """``perf/learner_tokens`` (positions through the actor for one pass over ``batch``, padding included),
+        ``perf/unique_tokens`` (distinct (rollout, position) pairs the loss and the values need), ``perf/padding_frac``."""
+        L = self.cfg.learner
+        mbs = self.split(batch)
+        unique = plan_forward(batch, max_padding=L.max_padding).unique_tokens
+        if L.prefix_sharing:
+            processed = sum(plan_forward(mb, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens).learner_tokens for mb in mbs)
+        else:
+            processed = sum(mb.batch_size[0] * mb["tokens"].shape[-1] for mb in mbs)
+        return {"perf/learner_tokens": processed, "perf/unique_tokens": unique,
+                "perf/padding_frac": 1.0 - unique / processed if processed else 0.0}
 
     def update_critic(self, batch: TensorDict) -> None:
         """``train.critic_updates`` critic optimizer steps on the whole batch."""
@@ -379,7 +409,7 @@ class Trainer:
             "actor": (self.policy_loss, self.actor_model, self.actor_opt, "policy/"),
             "critic": (self.critic_loss, self.critic_model, self.critic_opt, "critic/"),
         }[name]
-        mbs = split_rows(td, self.cfg.train.micro_batches)
+        mbs = self.split(td)
         norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
         outs = []
         for mb in mbs:
@@ -406,6 +436,7 @@ class Trainer:
                 log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
 
     def _reset_step_log(self) -> None:
+        """``step_log``: the grad norms, normalizers and loss metrics of the optimizer steps since the reset."""
         self.step_log = {"grad_norms": {"actor": [], "critic": []}, "normalizers": {"actor": [], "critic": []}, "metrics": {}}
 
     def _gather_generation_weights(self) -> None:
@@ -448,6 +479,11 @@ class Trainer:
         for name in ("actor", "critic"):
             if self.step_log["grad_norms"][name]:
                 log[f"grad_norm/{name}"] = float(np.mean(self.step_log["grad_norms"][name]))
+        log.update(self.learner_metrics(batch))
+        if "learner_s" in self.step_log:  # passes over the batch: the values, each critic step, each policy epoch
+            passes = 1 + len(self.step_log["grad_norms"]["critic"]) + (self.cfg.train.policy_epochs if self.step_log["grad_norms"]["actor"] else 0)
+            log["perf/learner_tokens_per_s"] = passes * log["perf/learner_tokens"] / max(self.step_log["learner_s"], 1e-9)
+        log["perf/peak_memory_mb"] = peak_memory_mb()
         return log
 
     # ------------------------------------------------------------------------------------------ checkpoints, evidence
@@ -547,10 +583,12 @@ class Trainer:
                 t0 = time.perf_counter()
                 self._reset_step_log()
                 rollout = self.collect()
+                t_learn = time.perf_counter()
                 batch = self.compute_advantages(rollout)
                 self.update_critic(batch)
                 if it >= cfg.train.critic_warmup_iterations:
                     self.update_policy(batch, it)
+                self.step_log["learner_s"] = time.perf_counter() - t_learn
                 self.sync_policy_weights()
 
                 log = self.iteration_metrics(batch, t0)

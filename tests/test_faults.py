@@ -887,7 +887,6 @@ def test_top_p_first_policy_update_has_ratio_one(tmp_path):
     from crl.trainer import Trainer
 
     trainer = Trainer(trainer_cfg(tmp_path / "run", "train.iterations=1", "model.top_p=0.8"))
-    trainer._reset_step_log()
     batch = trainer.compute_advantages(trainer.collect())
     trainer.update_policy(batch, iteration=0)
     m = trainer.step_log["metrics"]

@@ -26,3 +26,13 @@ def test_readme_names_the_two_commands_and_ci_runs_the_test_one():
     assert re.search(r"^train:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
     for path in re.findall(r"`((?:configs|scripts|benchmarks)/[\w./]+\.(?:py|yaml|json))`", README):
         assert (ROOT / path).exists(), path
+
+
+def test_trainer_quickstart_runs(tmp_path, monkeypatch):
+    """The README's `crl.trainer.Trainer` block, as written (its run_dir moved under tmp)."""
+    block = re.search(r"The whole trainer is importable too.*?```python\n(.*?)```", README, re.S).group(1)
+    assert "runs/quickstart" in block
+    monkeypatch.chdir(ROOT)
+    scope: dict = {}
+    exec(compile(block.replace("runs/quickstart", str(tmp_path / "quickstart")), "README trainer quickstart", "exec"), scope)
+    assert "advantage" in scope["batch"].keys() and scope["trainer"].step_log["grad_norms"]["critic"]

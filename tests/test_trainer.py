@@ -22,6 +22,7 @@ REFERENCE = [
     "eval.episodes=8", "eval.every=2", "logging.wandb_mode=disabled", "logging.progress=false",
     "train.critic_warmup_iterations=1", "checkpoint.evidence_every=5",
 ]
+NAIVE_LEARNER = "learner.prefix_sharing=false"  # the pre-refactor learner: one padded forward per micro-batch
 
 
 def make(run_dir, *overrides, config="configs/default.yaml", tiny=True):
@@ -34,7 +35,7 @@ def metrics(run_dir):
 
 def test_metrics_identical_to_pre_refactor_reference(tmp_path):
     """Every non-perf value of metrics.jsonl equals what the pre-refactor script logged (same seed, same overrides)."""
-    make(tmp_path / "run", *REFERENCE, tiny=False).fit()
+    make(tmp_path / "run", *REFERENCE, NAIVE_LEARNER, tiny=False).fit()
     strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in recs]  # noqa: E731
     reference = [json.loads(line) for line in (ROOT / "tests" / "data" / "reference_metrics.jsonl").read_text().splitlines()]
     got = strip(metrics(tmp_path / "run"))
@@ -46,7 +47,6 @@ def test_metrics_identical_to_pre_refactor_reference(tmp_path):
 def test_phases_are_callable_in_process(tmp_path):
     """collect -> compute_advantages -> update_critic -> update_policy, each on its own, as another project would."""
     trainer = make(tmp_path / "run")
-    trainer._reset_step_log()
     rollout = trainer.collect()
     validate_episodes(rollout)
     assert trainer.last_episode_stats["episodes"] == 4
@@ -147,3 +147,23 @@ def test_loading_a_config_builds_no_model(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_prefix_shared_learner_matches_the_naive_learner_through_the_trainer(tmp_path):
+    """Same seed, shared vs naive learner: identical episodes at the first iteration, losses equal to float rounding,
+    and the learner-efficiency targets of the default config (learner/unique <= 1.05, padding <= 10 %)."""
+    runs = {}
+    for name, extra in (("shared", []), ("naive", [NAIVE_LEARNER])):
+        make(tmp_path / name, "train.iterations=2", "train.episodes_per_batch=8", "warm_start.steps=20", *extra).fit()
+        runs[name] = {r["step"]: r for r in metrics(tmp_path / name)}
+    shared, naive = runs["shared"][1], runs["naive"][1]
+    for key in ("train/success", "episode/steps", "tokens/execution_per_episode", "tokens/summary_per_episode"):
+        assert shared[key] == naive[key], key  # the same episodes were collected
+    for key in ("critic/loss_critic", "policy/loss_objective", "policy/approx_kl", "grad_norm/actor", "grad_norm/critic"):
+        assert shared[key] == pytest.approx(naive[key], rel=1e-4, abs=1e-7), key
+    assert shared["perf/learner_tokens"] / shared["perf/unique_tokens"] <= 1.05
+    assert shared["perf/padding_frac"] <= 0.10
+    assert naive["perf/learner_tokens"] / naive["perf/unique_tokens"] > 1.3  # duplicated prefixes + padding
+    assert shared["perf/unique_tokens"] == naive["perf/unique_tokens"]
+    for key in ("perf/learner_tokens_per_s", "perf/peak_memory_mb"):
+        assert shared[key] > 0
