@@ -419,3 +419,30 @@ def load_episodes(path: str | os.PathLike) -> TensorDict:
         full[keep] = flat
         out[key] = full
     return TensorDict(out, batch_size=[S])
+
+
+def terminal_outcome(env_done: bool, truncated: bool, reward: float | None, *, failed: bool = False) -> tuple[EpisodeStatus, float]:
+    """The status and the trained reward ``R`` of an episode that has just ended (DESIGN.md §1, §3).
+
+    ====================  ==========  =====================================================
+    how it ended          status      ``R``
+    ====================  ==========  =====================================================
+    ``failed``            FAILED      0 (environment error or timeout)
+    env done, truncated   TRUNCATED   0 (the environment's own step limit)
+    not ``env_done``      TRUNCATED   0 (the engine's TRUNCATE: context full, no compaction
+                                      left, or ``max_steps``)
+    env done              COMPLETED   ``float(reward)``, the verifier's score
+    ====================  ==========  =====================================================
+
+    The environment's verdict wins over the engine's: a step that ends the task *and* overflows the context is
+    completed. :func:`validate_episodes` rejects a non-completed rollout with ``R != 0``; this is the one place
+    that mapping is made (``reward`` is only read for a completed episode, so it may be ``None`` otherwise).
+    """
+    if failed:
+        return EpisodeStatus.FAILED, 0.0
+    if not env_done or truncated:
+        return EpisodeStatus.TRUNCATED, 0.0
+    return EpisodeStatus.COMPLETED, float(reward)
+
+
+__all__ += ["terminal_outcome"]  # appended here, not in the list above, to keep this addition in one place

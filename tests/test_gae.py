@@ -10,7 +10,14 @@ from tensordict.nn import TensorDictModule
 from torchrl.objectives.value.functional import generalized_advantage_estimate, vec_generalized_advantage_estimate
 
 from crl.episode import EpisodeStatus, Provenance, Segment, SegmentKind, build_episode, concat_episodes
-from crl.objectives import CrossTrajectoryGAE, cross_trajectory_gae, masked_whiten, next_segment_start_value
+from crl.objectives import (
+    CrossTrajectoryGAE,
+    EstimatorOptionError,
+    check_estimator_options,
+    cross_trajectory_gae,
+    masked_whiten,
+    next_segment_start_value,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -305,12 +312,12 @@ def _args():
         (lambda a: a[2].__setitem__(1, float("nan")), {}, "`reward` holds NaN or inf"),
         (lambda a: a[3].__setitem__(2, -1), {}, "`n_after` is negative"),
         (None, dict(kl_penalty=torch.full((4, 10), float("nan"))), "`kl_penalty` holds NaN"),
-        (None, dict(lambda_length="episode"), "lambda_length='episode' is not one of"),
-        (None, dict(value_target="global"), "value_target='global' is not one of"),
-        (None, dict(boundary="soft"), "boundary='soft' is not one of"),
-        (None, dict(lmbda=0.9), "exactly one of `alpha`"),
-        (None, dict(alpha=-1.0), "alpha=-1.0 must be"),
-        (None, dict(gamma=1.5), "gamma=1.5 must be in"),
+        (None, dict(lambda_length="episode"), "lambda_length: 'episode' is not one of"),
+        (None, dict(value_target="global"), "value_target: 'global' is not one of"),
+        (None, dict(boundary="soft"), "boundary: 'soft' is not one of"),
+        (None, dict(lmbda=0.9), "alpha/lmbda: set exactly one"),
+        (None, dict(alpha=-1.0), "alpha: -1.0 must be"),
+        (None, dict(gamma=1.5), "gamma: 1.5 must be in"),
         (None, dict(boundary="bootstrap", cross_trajectory=False), "needs `next_segment_value`"),
         (None, dict(boundary="bootstrap"), "cross_trajectory=False"),
         (None, dict(lambda_length="rollout", rollout_length=None), "needs `rollout_length`"),
@@ -327,6 +334,49 @@ def test_invalid_inputs_raise_clear_errors(mutate, kwargs, match):
         args[4] = kw.pop("rollout_length")
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace("[", r"\[")):
         cross_trajectory_gae(*args, **kw)
+
+
+_OK = dict(gamma=1.0, alpha=1.5, lmbda=None, lambda_length="segment", value_target="local", boundary="terminal",
+           cross_trajectory=True)
+
+
+@pytest.mark.parametrize(
+    "change,option",
+    [
+        (dict(lambda_length="episode"), "lambda_length"),
+        (dict(value_target="global"), "value_target"),
+        (dict(boundary="soft"), "boundary"),
+        (dict(lmbda=0.9), "alpha/lmbda"),
+        (dict(alpha=None), "alpha/lmbda"),
+        (dict(gamma=1.5), "gamma"),
+        (dict(gamma=float("nan")), "gamma"),
+        (dict(alpha=0.0), "alpha"),
+        (dict(alpha=float("inf")), "alpha"),
+        (dict(alpha=None, lmbda=-0.1), "lmbda"),
+        (dict(boundary="bootstrap"), "boundary"),
+    ],
+)
+def test_one_option_check_for_functional_estimator_and_config(change, option):
+    """check_estimator_options names the option; the functional core and the estimator raise the same option."""
+    opts = {**_OK, **change}
+    with pytest.raises(EstimatorOptionError) as err:
+        check_estimator_options(**opts)
+    assert err.value.option == option and str(err.value).startswith(f"{option}: ")
+    assert isinstance(err.value, ValueError)  # callers that catch ValueError keep working
+    with pytest.raises(EstimatorOptionError) as fn_err:
+        cross_trajectory_gae(*_args(), **opts)
+    assert fn_err.value.option == option and "cross_trajectory_gae" in str(fn_err.value)
+    if opts["alpha"] is None and opts["lmbda"] is None:
+        return  # the estimator fills in the paper's alpha = 1.5 when neither is given
+    with pytest.raises(EstimatorOptionError) as est_err:
+        CrossTrajectoryGAE(**opts)
+    assert est_err.value.option == option and "CrossTrajectoryGAE" in str(est_err.value)
+
+
+def test_option_check_normalises_valid_options():
+    assert check_estimator_options(**{**_OK, "gamma": 1, "alpha": 2}) == (1.0, 2.0, None)
+    assert check_estimator_options(**{**_OK, "alpha": None, "lmbda": 1}) == (1.0, None, 1.0)
+    assert check_estimator_options(**{**_OK, "boundary": "bootstrap", "cross_trajectory": False})[0] == 1.0
 
 
 def test_shape_mismatches_raise():

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from crl.compaction import CompactionConfig, CompactionEngine, Decision, EpisodeContext
 from crl.envs.base import StepResult
-from crl.episode import EpisodeStatus, build_episode, concat_episodes, validate_episodes
+from crl.episode import EpisodeStatus, build_episode, concat_episodes, terminal_outcome, validate_episodes
 from crl.modules.generation import GenerationBackend, SamplingParams
 
 
@@ -308,12 +308,9 @@ class CompactionCollector:
                     finished.append((ep, EpisodeStatus.FAILED, 0.0))
                     continue
                 decision = ep.ctx.append_step(gen.token_ids, gen.log_probs, result.observation)
-                if result.done:
+                if result.done or decision is Decision.TRUNCATE:
                     truncated = bool(result.info.get("truncated", False))
-                    status = EpisodeStatus.TRUNCATED if truncated else EpisodeStatus.COMPLETED
-                    finished.append((ep, status, 0.0 if truncated else float(result.reward)))
-                elif decision is Decision.TRUNCATE:
-                    finished.append((ep, EpisodeStatus.TRUNCATED, 0.0))
+                    finished.append((ep, *terminal_outcome(result.done, truncated, result.reward)))
             for item in finished:
                 live.remove(item[0])
             done.extend(finished)

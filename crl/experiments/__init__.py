@@ -1,5 +1,7 @@
-"""Controlled experiments of DESIGN.md §7 that run on a CPU (policies, drivers, gates).
+"""Controlled experiments of DESIGN.md §7 that run on a CPU (policies, backends, gates; episodes are played by
+:class:`crl.collectors.CompactionCollector`).
 
-* :mod:`crl.experiments.memory_chain` — the 96-step memory chain with a compact learnable policy trained through
-  the episode contract, :class:`~crl.objectives.CrossTrajectoryGAE` and :class:`~crl.objectives.CompactionPPOLoss`.
+* :mod:`crl.experiments.tabular_chain` — the 96-step memory chain (:mod:`crl.envs.memory_chain`) with a compact
+  tabular policy trained through the episode contract, :class:`~crl.objectives.CrossTrajectoryGAE` and
+  :class:`~crl.objectives.CompactionPPOLoss`; run by ``scripts/tabular_chain.py``, reported in docs/tabular_chain.md.
 """

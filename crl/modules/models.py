@@ -138,11 +138,19 @@ class ValueModel(nn.Module):
         return _shift(values) * keep
 
 
+MODEL_IN_KEYS = ("tokens", "attention_mask")  # what an actor or a critic reads from an episode TensorDict
+
+
 def actor_module(lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0) -> TensorDictModule:
-    """``(tokens, attention_mask) -> (log_prob, entropy)`` as a TensorDictModule (see :class:`CausalLMLogProbs`)."""
-    return TensorDictModule(CausalLMLogProbs(lm, temperature, top_p), in_keys=["tokens", "attention_mask"], out_keys=["log_prob", "entropy"])
+    """A causal LM as the actor: ``(tokens, attention_mask) -> (log_prob, entropy)`` of the sampling distribution
+    (``temperature``, ``top_p``; see :class:`CausalLMLogProbs`)."""
+    return TensorDictModule(CausalLMLogProbs(lm, temperature, top_p), in_keys=list(MODEL_IN_KEYS), out_keys=["log_prob", "entropy"])
 
 
-def critic_module(value_model: ValueModel) -> TensorDictModule:
-    """``(tokens, attention_mask) -> state_value`` as a TensorDictModule."""
-    return TensorDictModule(value_model, in_keys=["tokens", "attention_mask"], out_keys=["state_value"])
+def critic_module(value_model: nn.Module) -> TensorDictModule:
+    """A critic as a TensorDictModule: ``(tokens, attention_mask) -> state_value`` ``[S, T]``.
+
+    ``value_model`` is a :class:`ValueModel` or any module with that signature and the alignment above
+    (the tabular experiment's critic, :class:`crl.experiments.tabular_chain.TabularCritic`).
+    """
+    return TensorDictModule(value_model, in_keys=list(MODEL_IN_KEYS), out_keys=["state_value"])

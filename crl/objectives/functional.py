@@ -31,7 +31,8 @@ __all__ = [
     "BOUNDARIES",
     "adaptive_lambda",
     "segment_lambda",
-    "segmented_reverse_scan",
+    "EstimatorOptionError",
+    "check_estimator_options",
     "cross_trajectory_gae",
     "next_segment_start_value",
     "masked_whiten",
@@ -148,38 +149,6 @@ def _scan_chunks_(buf: Tensor, cc: Tensor, last: Tensor) -> Tensor:
     return buf
 
 
-def segmented_reverse_scan(x: Tensor, lengths: Tensor, coef: Tensor, chunk_size: int = 32) -> Tensor:
-    """Solve ``y_t = x_t + c_s y_{t+1}`` inside each segment of a flat stream, ``y = 0`` after a segment's end.
-
-    ``x`` holds the segments back to back (``lengths[s]`` entries each, in order); ``c_s = coef[s]`` is constant
-    inside segment ``s``. A chunked linear scan: every segment is cut into chunks of ``K = chunk_size`` entries
-    that never straddle two segments (each segment padded to a multiple of ``K``: at most ``S·K`` extra
-    entries), each chunk is solved in ``log2 K`` doubling steps with the known powers ``c^d``, the chunk-start
-    values — a linear recurrence with coefficient ``c^K`` that stops at segment ends — are solved in one carry
-    pass, and ``c^{K-t'}·y(next chunk start)`` is added back. ``O(N log K)`` work whatever ``c``: unlike a
-    convolution with a truncated geometric filter, the cost does not grow as ``c -> 1``, and all powers are of
-    ``c ∈ [0, 1]`` (no overflow; exact for ``c = 0`` and ``c = 1``).
-
-    Args:
-        x: ``[N]`` floating tensor, ``N = lengths.sum()`` (use float64 for long segments with ``c ≈ 1``).
-        lengths: ``[S]`` integer segment lengths (0 allowed).
-        coef: ``[S]`` coefficients in ``[0, 1]``, same dtype as ``x``.
-        chunk_size: ``K >= 1``.
-
-    Returns:
-        ``[N]`` tensor ``y``.
-    """
-    K = int(chunk_size)
-    if K < 1:
-        raise ValueError(f"segmented_reverse_scan: chunk_size={chunk_size} must be >= 1")
-    if x.shape[0] == 0:
-        return x.clone()
-    lay = _ChunkLayout(lengths, K, x.device)
-    buf = x.new_zeros(lay.C * K).index_copy_(0, lay.dest, x)
-    _scan_chunks_(buf.view(lay.C, K), lay.per_chunk(coef.to(x.dtype)), lay.last)
-    return buf.index_select(0, lay.dest)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # validation
 # ----------------------------------------------------------------------------------------------------------
@@ -219,30 +188,65 @@ def _as_bool_mask(loss_mask: Tensor) -> Tensor:
     return loss_mask.bool()
 
 
-def _check_options(gamma, alpha, lmbda, lambda_length, value_target, boundary, cross_trajectory) -> tuple:
-    if lambda_length not in LAMBDA_LENGTHS:
-        raise ValueError(f"{_FN}: lambda_length={lambda_length!r} is not one of {LAMBDA_LENGTHS}")
-    if value_target not in VALUE_TARGETS:
-        raise ValueError(f"{_FN}: value_target={value_target!r} is not one of {VALUE_TARGETS}")
-    if boundary not in BOUNDARIES:
-        raise ValueError(f"{_FN}: boundary={boundary!r} is not one of {BOUNDARIES}")
+class EstimatorOptionError(ValueError):
+    """An invalid estimator option; ``option`` is its name as the estimator spells it (``"gamma"``,
+    ``"alpha/lmbda"``, …), ``reason`` what is wrong. ``str(err)`` is ``"<option>: <reason>"``, so a caller can
+    prefix its own namespace (``f"algo.{err}"``)."""
+
+    def __init__(self, option: str, reason: str):
+        super().__init__(f"{option}: {reason}")
+        self.option, self.reason = option, reason
+
+
+def check_estimator_options(
+    gamma: float,
+    alpha: float | None,
+    lmbda: float | None,
+    lambda_length: str,
+    value_target: str,
+    boundary: str,
+    cross_trajectory: bool,
+) -> tuple[float, float | None, float | None]:
+    """The one check of the cross-trajectory GAE's options (:func:`cross_trajectory_gae`,
+    :class:`~crl.objectives.CrossTrajectoryGAE` and the training config all call it).
+
+    Valid: ``γ ∈ [0, 1]``; exactly one of ``α`` (finite, > 0: ``λ_s = clamp(1 - 1/(α L_s), 0, 1)``) and a fixed
+    ``λ ∈ [0, 1]``; ``lambda_length ∈`` :data:`LAMBDA_LENGTHS`, ``value_target ∈`` :data:`VALUE_TARGETS`,
+    ``boundary ∈`` :data:`BOUNDARIES`; ``boundary="bootstrap"`` only with ``cross_trajectory=False`` (a
+    bootstrapped value already credits later segments; Eq. 14's ``(γλ_s)^{N_{>s}}`` would discount that credit
+    twice).
+
+    Returns:
+        ``(gamma, alpha, lmbda)`` as floats (``None`` kept).
+
+    Raises:
+        EstimatorOptionError: (a ``ValueError``) naming the first invalid option.
+    """
+    for name, value, allowed in (
+        ("lambda_length", lambda_length, LAMBDA_LENGTHS),
+        ("value_target", value_target, VALUE_TARGETS),
+        ("boundary", boundary, BOUNDARIES),
+    ):
+        if value not in allowed:
+            raise EstimatorOptionError(name, f"{value!r} is not one of {allowed}")
     if (alpha is None) == (lmbda is None):
-        raise ValueError(f"{_FN}: pass exactly one of `alpha` (length-adaptive λ) or `lmbda` (fixed λ)")
+        raise EstimatorOptionError("alpha/lmbda", "set exactly one: alpha for the length-adaptive λ, lmbda for a fixed λ")
     gamma = float(gamma)
-    if not (0.0 <= gamma <= 1.0):
-        raise ValueError(f"{_FN}: gamma={gamma} must be in [0, 1] (paper: 1.0)")
+    if not 0.0 <= gamma <= 1.0:  # also refuses NaN
+        raise EstimatorOptionError("gamma", f"{gamma} must be in [0, 1] (paper: 1.0)")
     if alpha is not None:
         alpha = float(alpha)
         if not (alpha > 0 and math.isfinite(alpha)):
-            raise ValueError(f"{_FN}: alpha={alpha} must be a finite number > 0 (paper: 1.5)")
+            raise EstimatorOptionError("alpha", f"{alpha} must be a finite number > 0 (paper: 1.5)")
     if lmbda is not None:
         lmbda = float(lmbda)
-        if not (0.0 <= lmbda <= 1.0):
-            raise ValueError(f"{_FN}: lmbda={lmbda} must be in [0, 1]")
+        if not 0.0 <= lmbda <= 1.0:
+            raise EstimatorOptionError("lmbda", f"{lmbda} must be in [0, 1]")
     if boundary == "bootstrap" and cross_trajectory:
-        raise ValueError(
-            f"{_FN}: boundary='bootstrap' credits later segments through the bootstrapped value, the "
-            "cross-trajectory factor (γλ)^N_>s would discount that credit twice; pass cross_trajectory=False"
+        raise EstimatorOptionError(
+            "boundary",
+            "'bootstrap' requires cross_trajectory=False (the bootstrapped value already credits later "
+            "segments; the factor (γλ)^N_>s would discount that credit twice)",
         )
     return gamma, alpha, lmbda
 
@@ -313,7 +317,10 @@ def cross_trajectory_gae(
     Raises:
         ValueError: non-finite inputs, shape or dtype mismatches, negative ``n_after``, invalid options.
     """
-    gamma, alpha, lmbda = _check_options(gamma, alpha, lmbda, lambda_length, value_target, boundary, cross_trajectory)
+    try:
+        gamma, alpha, lmbda = check_estimator_options(gamma, alpha, lmbda, lambda_length, value_target, boundary, cross_trajectory)
+    except EstimatorOptionError as err:
+        raise EstimatorOptionError(err.option, f"{err.reason} ({_FN})") from None
     if value.ndim != 2 or not value.is_floating_point():
         raise ValueError(f"{_FN}: `value` must be a float [S, T] tensor, got {value.dtype} {list(value.shape)}")
     S, T = value.shape

@@ -17,9 +17,8 @@ from torchrl.objectives.value import ValueEstimatorBase
 from torchrl.objectives.value.advantages import _self_set_grad_enabled, _self_set_skip_existing
 
 from crl.objectives.functional import (
-    BOUNDARIES,
-    LAMBDA_LENGTHS,
-    VALUE_TARGETS,
+    EstimatorOptionError,
+    check_estimator_options,
     cross_trajectory_gae,
     masked_whiten,
     next_segment_start_value,
@@ -114,20 +113,13 @@ class CrossTrajectoryGAE(ValueEstimatorBase):
         )
         if alpha is None and lmbda is None:
             alpha = 1.5  # the paper's setting
-        for name, val, allowed in (
-            ("lambda_length", lambda_length, LAMBDA_LENGTHS),
-            ("value_target", value_target, VALUE_TARGETS),
-            ("boundary", boundary, BOUNDARIES),
-        ):
-            if val not in allowed:
-                raise ValueError(f"CrossTrajectoryGAE: {name}={val!r} is not one of {allowed}")
-        if (alpha is None) == (lmbda is None):
-            raise ValueError("CrossTrajectoryGAE: pass exactly one of `alpha` (length-adaptive λ) or `lmbda` (fixed λ)")
-        if boundary == "bootstrap" and cross_trajectory:
-            raise ValueError("CrossTrajectoryGAE: boundary='bootstrap' requires cross_trajectory=False")
-        self.gamma = float(gamma)
-        self.alpha = None if alpha is None else float(alpha)
-        self.lmbda = None if lmbda is None else float(lmbda)
+        try:
+            gamma, alpha, lmbda = check_estimator_options(
+                gamma, alpha, lmbda, lambda_length, value_target, boundary, cross_trajectory
+            )
+        except EstimatorOptionError as err:
+            raise EstimatorOptionError(err.option, f"{err.reason} (CrossTrajectoryGAE)") from None
+        self.gamma, self.alpha, self.lmbda = gamma, alpha, lmbda
         self.lambda_length = lambda_length
         self.cross_trajectory = bool(cross_trajectory)
         self.value_target = value_target

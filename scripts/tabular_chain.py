@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""The 96-step memory chain experiment (DESIGN.md §7): joint training vs frozen summary, plus ablations.
+"""The tabular memory-chain experiment (DESIGN.md §7): joint training vs frozen summary, plus ablations.
 
-Trains every arm × seed with :func:`crl.experiments.memory_chain.train_run` (a compact tabular policy trained
-through the episode contract, CrossTrajectoryGAE and CompactionPPOLoss; see that module and docs/memory_chain.md),
+Trains every arm × seed with :func:`crl.experiments.tabular_chain.train_run` (a compact tabular policy whose
+episodes are played by CompactionCollector and trained through the episode contract, CrossTrajectoryGAE and
+CompactionPPOLoss; see that module and docs/tabular_chain.md),
 evaluates each on held-out 96-step episodes, applies the pre-registered gate (joint mean ≥ 95 %, every joint seed
 ≥ 90 %, joint − frozen ≥ 30 points) and writes, atomically:
 
@@ -13,9 +14,9 @@ evaluates each on held-out 96-step episodes, applies the pre-registered gate (jo
 
 Exit code 0 whether or not the gate passes (the verdict is printed and stored).
 
-    python scripts/memory_chain.py                        # all default arms, seeds 7 17 29 (< 10 min, 2 cores)
-    python scripts/memory_chain.py --quick --out /tmp/mc  # smoke run (seconds)
-    python scripts/memory_chain.py --arms joint frozen nocurr_segment_lambda --seeds 7
+    python scripts/tabular_chain.py                        # all default arms, seeds 7 17 29 (< 10 min, 2 cores)
+    python scripts/tabular_chain.py --quick --out /tmp/tc  # smoke run (seconds)
+    python scripts/tabular_chain.py --arms joint frozen nocurr_segment_lambda --seeds 7
 """
 from __future__ import annotations
 
@@ -34,17 +35,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from crl.experiments import memory_chain as mc  # noqa: E402
+from crl.experiments import tabular_chain as tc  # noqa: E402
 from crl.io import atomic_write, atomic_write_json  # noqa: E402
 
 SEEDS = (7, 17, 29)
 
 
-def quick_config(base: mc.TrainConfig) -> mc.TrainConfig:
+def quick_config(base: tc.TabularRunConfig) -> tc.TabularRunConfig:
     """A smoke configuration: a few iterations per stage, tiny batches and evaluations."""
     return replace(
         base,
-        curriculum=(mc.Stage(2, (), 2), mc.Stage(8, (5,), 2), mc.Stage(16, (6, 12), 2), mc.FINAL_STAGE),
+        curriculum=(tc.Stage(2, (), 2), tc.Stage(8, (5,), 2), tc.Stage(16, (6, 12), 2), tc.FINAL_STAGE),
         iterations=8,
         batch_episodes=16,
         final_batch_episodes=8,
@@ -57,11 +58,11 @@ def quick_config(base: mc.TrainConfig) -> mc.TrainConfig:
 
 def _job(arm: str, seed: int, quick: bool) -> dict:
     torch.set_num_threads(1)
-    base = quick_config(mc.TrainConfig()) if quick else mc.TrainConfig()
-    cfg = mc.arm_config(arm, base)
+    base = quick_config(tc.TabularRunConfig()) if quick else tc.TabularRunConfig()
+    cfg = tc.arm_config(arm, base)
     if quick and arm.startswith("nocurr"):
-        cfg = replace(cfg, curriculum=(base.curriculum[0], mc.FINAL_STAGE))
-    return mc.train_run(arm, seed, cfg)
+        cfg = replace(cfg, curriculum=(base.curriculum[0], tc.FINAL_STAGE))
+    return tc.train_run(arm, seed, cfg)
 
 
 def plot_curves(results: dict, path: Path, arms: list[str], gate_th: dict) -> None:
@@ -92,7 +93,7 @@ def plot_curves(results: dict, path: Path, arms: list[str], gate_th: dict) -> No
             ax.plot(xs, mean, color=c, lw=2, label=f"{arm} (mean of {len(curves)} seeds)")
             if arm == "joint":  # where the 96-step stage starts (per seed)
                 for r in runs.values():
-                    it = next((s[0] for s in r["stage_starts"] if s[2] == mc.FINAL_STAGE.length), None)
+                    it = next((s[0] for s in r["stage_starts"] if s[2] == tc.FINAL_STAGE.length), None)
                     if it is not None:
                         ax.axvline(it, color=c, ls=":", lw=0.8, alpha=0.6)
         ax.axhline(0.25, color="gray", ls="--", lw=0.8, label="chance (4 codes)")
@@ -103,7 +104,7 @@ def plot_curves(results: dict, path: Path, arms: list[str], gate_th: dict) -> No
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="center right")
-    fig.suptitle("Memory chain, 96 steps, compaction forced at 24/48/72, k = 2 (thin: seeds; dotted: joint enters 96-step stage)",
+    fig.suptitle("Tabular policy on the memory chain, 96 steps, compaction forced at 24/48/72, k = 2 (thin: seeds; dotted: joint enters 96-step stage)",
                  fontsize=9)
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
@@ -112,10 +113,10 @@ def plot_curves(results: dict, path: Path, arms: list[str], gate_th: dict) -> No
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/memory_chain", help="output folder (default runs/memory_chain)")
+    ap.add_argument("--out", default="runs/tabular_chain", help="output folder (default runs/tabular_chain)")
     ap.add_argument("--quick", action="store_true", help="smoke run: a few iterations, tiny evaluations")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    ap.add_argument("--arms", nargs="+", default=list(mc.DEFAULT_ARMS), choices=sorted(mc.ARMS))
+    ap.add_argument("--arms", nargs="+", default=list(tc.DEFAULT_ARMS), choices=sorted(tc.ARMS))
     ap.add_argument("--workers", type=int, default=2, help="parallel processes, one thread each (default 2)")
     args = ap.parse_args(argv)
     arms = list(dict.fromkeys(args.arms))
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
 
     jobs = [(arm, seed) for seed in args.seeds for arm in arms]
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
-    print(f"memory chain: {len(arms)} arms × {len(args.seeds)} seeds = {len(jobs)} runs on {args.workers} processes"
+    print(f"tabular memory chain: {len(arms)} arms × {len(args.seeds)} seeds = {len(jobs)} runs on {args.workers} processes"
           f"{' (quick)' if args.quick else ''}", flush=True)
     bar = tqdm(total=len(jobs), desc="runs", unit="run")
     if args.workers <= 1:
@@ -149,20 +150,20 @@ def main(argv=None) -> int:
     acc = {arm: [results[arm][s]["accuracy"] for s in seeds] for arm in arms}
     verdict, gate = "NOT EVALUATED", None
     if "joint" in acc and "frozen" in acc:
-        gate = mc.gate(acc["joint"], acc["frozen"])
+        gate = tc.gate(acc["joint"], acc["frozen"])
         verdict = gate["verdict"]
-    base_cfg = quick_config(mc.TrainConfig()) if args.quick else mc.TrainConfig()
+    base_cfg = quick_config(tc.TabularRunConfig()) if args.quick else tc.TabularRunConfig()
     report = {
-        "experiment": "memory_chain_96",
+        "experiment": "tabular_chain_96",
         "verdict": verdict,
         "gate": gate,
-        "gate_thresholds": mc.GATE,
+        "gate_thresholds": tc.GATE,
         "seeds": seeds,
         "quick": args.quick,
         "arms": {
             arm: {
-                "description": mc.ARM_DESCRIPTIONS.get(arm, ""),
-                "overrides": {k: (str(v) if k == "curriculum" else v) for k, v in mc.ARMS[arm].items()},
+                "description": tc.ARM_DESCRIPTIONS.get(arm, ""),
+                "overrides": {k: (str(v) if k == "curriculum" else v) for k, v in tc.ARMS[arm].items()},
                 "accuracies": acc[arm],
                 "mean_accuracy": sum(acc[arm]) / len(acc[arm]),
                 "per_seed": {
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
                     for s in seeds
                 },
                 # the same gate with this arm in place of "joint", for reading the ablations (not pre-registered)
-                "gate_vs_frozen": mc.gate(acc[arm], acc["frozen"])["verdict"] if "frozen" in acc and arm != "frozen" else None,
+                "gate_vs_frozen": tc.gate(acc[arm], acc["frozen"])["verdict"] if "frozen" in acc and arm != "frozen" else None,
             }
             for arm in arms
         },
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     }
     atomic_write_json(out / "report.json", report)
     atomic_write_json(out / "histories.json", {arm: {str(s): results[arm][s]["history"] for s in seeds} for arm in arms})
-    plot_curves(results, out / "curves.png", arms, mc.GATE)
+    plot_curves(results, out / "curves.png", arms, tc.GATE)
 
     print(f"\nwall time {wall:.0f} s ({wall / 60:.1f} min)")
     for arm in arms:

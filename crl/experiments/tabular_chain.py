@@ -1,24 +1,27 @@
-"""The 96-step memory chain (DESIGN.md §7) with a compact learnable policy, trained through crl itself.
+"""The tabular memory-chain experiment: the 96-step memory chain (DESIGN.md §7) with a compact learnable
+(tabular) policy, trained through crl itself.
 
 What is real and what is toy
 ----------------------------
 *Real* (the project's own code, unchanged): the environment (:class:`crl.envs.MemoryChainSuite`, console
-protocol ``next`` / ``submit <answer>``, exact verifier), the compaction engine (:class:`crl.compaction.CompactionEngine`:
-forced compaction after steps 24/48/72, ``k = 2`` recent atomic steps copied verbatim, at most 3 compactions),
-the episode contract (:func:`crl.episode.build_episode`, :func:`crl.episode.validate_episodes` on every batch),
+protocol ``next`` / ``submit <answer>``, exact verifier), the collector (:class:`crl.collectors.CompactionCollector`
+plays every episode), the compaction engine (:class:`crl.compaction.CompactionEngine`: forced compaction after
+steps 24/48/72, ``k = 2`` recent atomic steps copied verbatim, at most 3 compactions), the episode contract
+(:func:`crl.episode.build_episode`, :func:`crl.episode.validate_episodes` on every batch),
 the estimator (:class:`crl.objectives.CrossTrajectoryGAE`) and the loss (:class:`crl.objectives.CompactionPPOLoss`,
 token-summed by default).
 
 *Toy* (documented choices that keep a run on one CPU core in well under a minute):
 
-* **Vocabulary.** A 28-word toy vocabulary instead of the project's tokenizer. The fixed texts are one token each
-  (``<sys>``, ``<task>``, ``<summarize>`` = q_sum, ``<summary>`` / ``</summary>`` = u_resume); an environment
+* **Vocabulary.** A 28-word toy vocabulary instead of the project's tokenizer (:func:`encode` / :func:`decode`).
+  The fixed texts are one token each (``<sys>``, ``<task>``, ``<summarize>`` = q_sum, ``<summary>`` /
+  ``</summary>`` = u_resume, :data:`ENGINE_KWARGS`); an environment
   observation is compressed to one word by :func:`observation_word` (``fact : the code is 3`` -> ``code3``,
   ``noise : the lamp is red`` -> ``lamp``, the question -> ``question``); an action is one token (``next``,
   ``submit0`` … ``submit3`` -> the console commands ``next`` / ``submit 3``); a summary is one token out of
   ``none``, the four code words and the eight noise nouns (13 choices). An atomic step is 2 tokens, a 96-step
   episode 7 segments of at most ~62 tokens.
-* **Policy** (:class:`MemoryChainPolicy`, 95 parameters): a factored softmax policy whose logits at a decision
+* **Policy** (:class:`TabularPolicy`, 95 parameters): a factored softmax policy whose logits at a decision
   position are a learnable table lookup of two features of the visible prefix ``tokens[:t]``:
   ``q`` = the question has been shown, ``v`` = the most recent *code word* in the context (``none`` or
   ``code0``–``code3``; a code word is visible either in the fact observation or in a copied summary).
@@ -30,28 +33,34 @@ token-summed by default).
   question (p(next) ≈ 0.9995) and the reverse after it; ``answer`` and ``summary`` start at 0, i.e. the initial
   policy knows the console protocol but its answers ignore the context and its summaries are uniform over the
   13 summary words. Everything stays trainable.
-* **Critic** (:class:`MemoryChainCritic`, 20 parameters): a value table over (decision kind, ``q``, ``v``).
+* **Critic** (:class:`TabularCritic`, 20 parameters): a value table over (decision kind, ``q``, ``v``).
 
 The shortcut: the environment accepts ``submit <answer>`` at any step, so a policy may submit right after it
 reads the fact (step 2) and never needs memory. The policy's answer table is therefore read only when the
 question is visible; before it, the action distribution ignores the context (an early submit is a blind guess,
 25 %).
 
-Training (one run = one arm × one seed): per iteration, collect a batch of episodes on train tasks with the
-policy (vectorised over episodes: one batched table lookup per step), validate it, run the critic and
-:class:`CrossTrajectoryGAE`, then ``ppo_epochs`` (default 1, DESIGN.md §10) full-batch :class:`CompactionPPOLoss`
+Sampling (:class:`TabularBackend`, a :class:`~crl.modules.generation.GenerationBackend`): the collector asks for
+one token per live episode per step; the backend reads ``(kind, q, v)`` of every prompt
+(:func:`decision_features`, tested equal to the teacher-forced :func:`prefix_features`) and samples all rows
+with one table lookup, returning the exact behaviour log-probs (:func:`~crl.modules.generation.sampling_log_probs`). The toy
+vocabulary has no stop token: every action and summary is exactly one token (budgets of 1), and ``<pad>``, which
+the policy never emits, is the collector's ``eos_id``.
+
+Training (one run = one arm × one seed): per iteration, the collector plays and validates a batch of episodes
+on train tasks; then the critic and :class:`CrossTrajectoryGAE`, then ``ppo_epochs`` (default 1, DESIGN.md §10) full-batch :class:`CompactionPPOLoss`
 updates with Adam. A staged curriculum (DESIGN.md §10) moves from short chains without compaction to one, two
 and finally the 96-step chain with three forced compactions, advancing when the training reward reaches a
 threshold or a stage's iteration budget is spent. Evaluation is always on held-out 96-step episodes (the
 ``dev`` split for the learning curve, the ``test`` split for the final accuracy), with sampled decisions.
 
-Arms (:data:`ARMS`; :data:`DEFAULT_ARMS` run by ``scripts/memory_chain.py``): ``joint`` (summary and execution
+Arms (:data:`ARMS`; :data:`DEFAULT_ARMS` run by ``scripts/tabular_chain.py``): ``joint`` (summary and execution
 both learn; the paper's estimator and loss defaults: per-segment λ with α = 1.5, γ = 1, cross-trajectory factor,
 ``local`` value target, token-summed loss), ``frozen`` (summaries sampled by a frozen copy of the initial policy,
 provenance ``FROZEN_SUMMARY``, masked from the loss), and the ablations ``no_token_loss``
 (``aggregation="segment_mean"``) and ``no_cross_traj`` (``cross_trajectory=False``). Extra arms:
 ``joint_rollout_lambda`` (one λ per rollout) and ``nocurr_segment_lambda`` / ``nocurr_rollout_lambda`` (no 8- and
-16-step stages: the summary must be learned on the 96-step chain itself). Results: docs/memory_chain.md.
+16-step stages: the summary must be learned on the 96-step chain itself). Results: docs/tabular_chain.md.
 """
 from __future__ import annotations
 
@@ -62,13 +71,15 @@ from functools import lru_cache
 from typing import Sequence
 
 import torch
-from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import Tensor, nn
 
-from crl.compaction import CompactionConfig, CompactionEngine, Decision
+from crl.collectors import CompactionCollector
+from crl.compaction import CompactionConfig
 from crl.envs.memory_chain import NOUNS, MemoryChainSuite
-from crl.episode import EpisodeStatus, Provenance, build_episode, concat_episodes, validate_episodes
+from crl.episode import EpisodeStatus, Provenance
+from crl.modules.generation import Generation, SamplingParams, sampling_log_probs
+from crl.modules.models import MODEL_IN_KEYS, critic_module
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 
 __all__ = [
@@ -77,22 +88,23 @@ __all__ = [
     "N_FACTS",
     "ACTION_WORDS",
     "SUMMARY_WORDS",
+    "EOS_ID",
+    "ENGINE_KWARGS",
     "encode",
+    "decode",
     "observation_word",
-    "make_engine",
+    "compaction_config",
     "prefix_features",
-    "context_features",
-    "MemoryChainPolicy",
-    "MemoryChainCritic",
-    "actor_module",
-    "critic_module",
+    "decision_features",
+    "TabularPolicy",
+    "TabularCritic",
+    "TabularBackend",
     "Stage",
-    "TrainConfig",
+    "TabularRunConfig",
     "ARMS",
     "DEFAULT_ARMS",
     "ARM_DESCRIPTIONS",
     "arm_config",
-    "collect",
     "RunState",
     "make_run",
     "train_iteration",
@@ -121,6 +133,7 @@ CODE_IDS = tuple(VOCAB[w] for w in CODE_WORDS)
 QUESTION_ID = VOCAB["question"]
 INSTR_ID = VOCAB[INSTR]
 ACTION_TEXT = {VOCAB["next"]: "next", **{VOCAB[f"submit{c}"]: f"submit {c}" for c in range(N_FACTS)}}
+EOS_ID = VOCAB["<pad>"]  # the collector's stop token: never sampled (actions and summaries are one token each)
 
 # Lookup tables over token ids (index = token id).
 _V = len(WORDS)
@@ -133,7 +146,6 @@ _SUMMARY_LUT[list(SUMMARY_IDS)] = torch.arange(len(SUMMARY_IDS))
 # Tokens after which the policy chooses an action: observations, the task prompt, the resume suffix.
 _ACTS_AFTER = torch.zeros((_V,), dtype=torch.bool)
 _ACTS_AFTER[[VOCAB[w] for w in OBSERVATION_WORDS] + [VOCAB[TASK], VOCAB[RESUME_SUFFIX]]] = True
-_CODE_INDEX = {VOCAB[w]: c for c, w in enumerate(CODE_WORDS)}
 
 # Decision kinds of a position (what the policy chooses there).
 CONTEXT, ACTION, SUMMARY = 0, 1, 2
@@ -145,6 +157,11 @@ def encode(text: str) -> list[int]:
         return [VOCAB[w] for w in text.split()]
     except KeyError as err:
         raise ValueError(f"toy vocabulary has no word {err.args[0]!r} (text {text!r})") from None
+
+
+def decode(ids: Sequence[int]) -> str:
+    """Token ids -> text, an action token as the console command it stands for (``submit3`` -> ``submit 3``)."""
+    return " ".join(ACTION_TEXT.get(int(t), WORDS[int(t)]) for t in ids)
 
 
 def observation_word(text: str) -> str:
@@ -163,10 +180,25 @@ def observation_word(text: str) -> str:
     return "error"
 
 
-def make_engine(forced_steps: Sequence[int], max_compactions: int = 3, keep_recent: int = 2) -> CompactionEngine:
-    """The compaction engine of the experiment: forced schedule only (C is never the binding limit), 1-token
-    summaries, ``k`` recent steps kept, the toy fixed texts."""
-    cfg = CompactionConfig(
+def _format_task(_text: str) -> str:
+    return TASK  # the task text is the same for every task: one token
+
+
+# The toy fixed texts and formatters, as CompactionEngine keyword arguments (CompactionCollector's engine_kwargs).
+ENGINE_KWARGS = dict(
+    system_prompt=SYS,
+    summary_instruction=INSTR,
+    resume_prefix=RESUME_PREFIX,
+    resume_suffix=RESUME_SUFFIX,
+    format_task=_format_task,
+    format_observation=observation_word,
+)
+
+
+def compaction_config(forced_steps: Sequence[int], max_compactions: int = 3, keep_recent: int = 2) -> CompactionConfig:
+    """The experiment's compaction protocol: forced schedule only (C = 512 is never the binding limit),
+    1-token summaries, ``k`` recent atomic steps kept, the task prompt dropped (Eq. 9)."""
+    return CompactionConfig(
         context_capacity=512,
         min_remaining=1,
         max_compactions=max_compactions,
@@ -174,16 +206,6 @@ def make_engine(forced_steps: Sequence[int], max_compactions: int = 3, keep_rece
         max_summary_tokens=1,
         keep_task_prompt=False,
         forced_steps=tuple(forced_steps),
-    )
-    return CompactionEngine(
-        cfg,
-        encode,
-        system_prompt=SYS,
-        summary_instruction=INSTR,
-        resume_prefix=RESUME_PREFIX,
-        resume_suffix=RESUME_SUFFIX,
-        format_task=lambda _text: TASK,
-        format_observation=observation_word,
     )
 
 
@@ -197,7 +219,8 @@ def prefix_features(tokens: Tensor, attention_mask: Tensor | None = None) -> tup
 
     Returns ``(kind, q, v)``: ``kind`` = CONTEXT / ACTION / SUMMARY (what the policy decides at ``t``, from the
     previous token), ``q`` = the question word occurs in the prefix, ``v`` = 0 if no code word occurs in the
-    prefix, else 1 + the index of the most recent one.
+    prefix, else 1 + the index of the most recent one. The teacher-forced features of :class:`TabularPolicy`
+    and :class:`TabularCritic`; the sampler reads the same features of one prompt with :func:`decision_features`.
     """
     S, T = tokens.shape
     prev = torch.cat([torch.zeros((S, 1), dtype=tokens.dtype, device=tokens.device), tokens[:, :-1]], dim=1)
@@ -216,16 +239,19 @@ def prefix_features(tokens: Tensor, attention_mask: Tensor | None = None) -> tup
     return kind, q, v
 
 
-def context_features(ids: Sequence[int]) -> tuple[bool, int]:
-    """``(q, v)`` of a whole context (the prefix of the next decision); the Python twin of :func:`prefix_features`."""
-    q, v = False, 0
-    for t in ids:
-        if t == QUESTION_ID:
-            q = True
-        c = _CODE_INDEX.get(t)
-        if c is not None:
-            v = c + 1
-    return q, v
+_ACTS_AFTER_IDS = frozenset(_ACTS_AFTER.nonzero().squeeze(-1).tolist())
+_CODE_V = {t: 1 + c for c, t in enumerate(CODE_IDS)}  # code word id -> v
+
+
+def decision_features(prompt: Sequence[int]) -> tuple[int, bool, int]:
+    """``(kind, q, v)`` of the decision that follows ``prompt``: :func:`prefix_features` at ``t = len(prompt)``,
+    for one prompt in plain Python (C-level list scans; the sampler calls it once per live episode per step).
+    Tested equal to :func:`prefix_features`, and every training iteration checks the teacher-forced
+    log-probs against the sampled ones."""
+    last = prompt[-1]
+    kind = SUMMARY if last == INSTR_ID else ACTION if last in _ACTS_AFTER_IDS else CONTEXT
+    code = next(filter(_CODE_V.__contains__, reversed(prompt)), None)  # the most recent code word
+    return kind, QUESTION_ID in prompt, _CODE_V.get(code, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,7 +259,7 @@ def context_features(ids: Sequence[int]) -> tuple[bool, int]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-class MemoryChainPolicy(nn.Module):
+class TabularPolicy(nn.Module):
     """Factored tabular softmax policy over the toy vocabulary (see the module docstring).
 
     Parameters: ``base`` ``[2, 5]`` (action logits per ``q``), ``answer`` ``[5, 4]`` (submit-code logits per ``v``,
@@ -282,7 +308,7 @@ class MemoryChainPolicy(nn.Module):
         return log_prob, entropy
 
 
-class MemoryChainCritic(nn.Module):
+class TabularCritic(nn.Module):
     """Tabular critic: ``V(tokens[:t]) = table[kind, q, v]`` at decision positions, 0 elsewhere."""
 
     def __init__(self):
@@ -295,12 +321,75 @@ class MemoryChainCritic(nn.Module):
         return torch.where(kind != CONTEXT, val, torch.zeros((), dtype=val.dtype))
 
 
-def actor_module(policy: MemoryChainPolicy) -> TensorDictModule:
-    return TensorDictModule(policy, in_keys=["tokens", "attention_mask"], out_keys=["log_prob", "entropy"])
+class TabularBackend:
+    """A :class:`~crl.modules.generation.GenerationBackend` over a :class:`TabularPolicy`: one token per prompt.
 
+    With ``(kind, q, v)`` = :func:`decision_features` of a prompt (= :func:`prefix_features` at position
+    ``len(prompt)``, the decision that follows it), a prompt ending in ``<summarize>`` (q_sum) gets a summary word and one ending where the policy
+    acts (after an observation, the task prompt or the resume suffix) an action word, drawn from
 
-def critic_module(critic: MemoryChainCritic) -> TensorDictModule:
-    return TensorDictModule(critic, in_keys=["tokens", "attention_mask"], out_keys=["state_value"])
+    .. math::
+
+        \\pi(a \\mid h) = \\mathrm{softmax}(\\mathrm{action\\_logits}(q, v) / \\tau), \\qquad
+        \\pi(S \\mid h + q_{sum}) = \\mathrm{softmax}(\\mathrm{summary\\_logits}(v) / \\tau)
+
+    (top-p applied) through :func:`~crl.modules.generation.sampling_log_probs`, so the returned log-prob is the
+    behaviour log-prob of exactly the distribution sampled from; at ``τ = 1``, ``top_p = 1`` it equals the
+    teacher-forced :meth:`TabularPolicy.forward` at that token. Action rows are drawn first, then summary rows,
+    each with one ``torch.multinomial`` on ``generator``. ``greedy`` takes the argmax instead (evaluation only;
+    the recorded log-prob is the argmax token's). Every budget must be ≥ 1 and exactly one token is generated;
+    there is no cache to keep (``cache_keys`` is ignored, the tables are read live).
+    """
+
+    def __init__(self, policy: TabularPolicy, generator: torch.Generator | None = None, greedy: bool = False):
+        self.policy = policy
+        self.generator = generator if generator is not None else torch.Generator()
+        self.greedy = greedy
+
+    def clear_prefix_cache(self) -> None:
+        """Nothing is cached: every call reads the policy's current tables."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.policy.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
+        n = len(prompts)
+        if len(max_new_tokens) != n:
+            raise ValueError(f"{n} prompts but {len(max_new_tokens)} token budgets")
+        if n == 0:
+            return []
+        if min(int(m) for m in max_new_tokens) < 1:
+            raise ValueError(f"every token budget must be >= 1, got {list(max_new_tokens)}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: a prompt must hold at least one token")
+        feats = [decision_features(p) for p in prompts]
+        bad = next((i for i, f in enumerate(feats) if f[0] == CONTEXT), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt {bad} ends in {WORDS[prompts[bad][-1]]!r}, where the policy makes no decision; it must end "
+                "in an observation, the task prompt, the resume suffix or the summary instruction"
+            )
+        token_ids, log_probs = [0] * n, [0.0] * n
+        for head, vocab_ids in ((ACTION, ACTION_IDS), (SUMMARY, SUMMARY_IDS)):
+            rows = [i for i, f in enumerate(feats) if f[0] == head]
+            if not rows:
+                continue
+            v = torch.tensor([feats[i][2] for i in rows])
+            if head == ACTION:
+                logits = self.policy.action_logits(torch.tensor([feats[i][1] for i in rows]), v)
+            else:
+                logits = self.policy.summary_logits(v)
+            logp = sampling_log_probs(logits, params)
+            if self.greedy:
+                idx = logp.argmax(-1)
+            else:
+                idx = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+            chosen = logp.gather(-1, idx.unsqueeze(-1)).squeeze(-1).tolist()
+            for i, j, lp in zip(rows, idx.tolist(), chosen):
+                token_ids[i], log_probs[i] = vocab_ids[j], lp
+        stop = set(params.stop_token_ids)
+        return [Generation([t], [lp], t in stop) for t, lp in zip(token_ids, log_probs)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -328,8 +417,9 @@ DEFAULT_CURRICULUM = (
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Everything one run depends on (the JSON report stores it)."""
+class TabularRunConfig:
+    """Everything one run of the tabular experiment depends on (the JSON report stores it). Not the LM
+    trainer's :class:`crl.config.TrainConfig`."""
 
     # estimator and loss (DESIGN.md §4–§6)
     gamma: float = 1.0
@@ -393,10 +483,10 @@ ARM_DESCRIPTIONS = {
 }
 
 
-def arm_config(arm: str, base: TrainConfig | None = None, **overrides) -> TrainConfig:
+def arm_config(arm: str, base: TabularRunConfig | None = None, **overrides) -> TabularRunConfig:
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; expected one of {sorted(ARMS)}")
-    return replace(base or TrainConfig(), **{**ARMS[arm], **overrides})
+    return replace(base or TabularRunConfig(), **{**ARMS[arm], **overrides})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -416,104 +506,45 @@ def _suite(length: int, forced: tuple[int, ...], seed: int, n_train: int) -> Mem
     )
 
 
-@lru_cache(maxsize=None)
-def _engine(forced: tuple[int, ...]) -> CompactionEngine:
-    return make_engine(forced)
+def _collector(
+    cfg: TabularRunConfig,
+    stage: Stage,
+    split: str,
+    backend: TabularBackend,
+    summary_backend: TabularBackend | None,
+    episodes: int,
+    seed: int,
+    tasks_in_order: bool = False,
+) -> CompactionCollector:
+    """The project's collector on the stage's chain, with the toy vocabulary and the tabular backend(s):
+    episodes run to the end, are validated (:func:`crl.episode.validate_episodes`) and come back as one batch.
+    ``summary_backend`` (the frozen arm) samples the summaries, tagged ``FROZEN_SUMMARY``."""
+    return CompactionCollector(
+        _suite(stage.length, stage.forced_steps, cfg.suite_seed, cfg.train_tasks),
+        split,
+        backend,
+        encode,
+        decode,
+        EOS_ID,
+        compaction_config(stage.forced_steps),
+        episodes_per_batch=episodes,
+        max_action_tokens=1,
+        summary_backend=summary_backend,
+        seed=seed,
+        tasks_in_order=tasks_in_order,
+        progress=False,
+        engine_kwargs=ENGINE_KWARGS,
+    )
 
 
-def _sample(logits: Tensor, gen: torch.Generator, greedy: bool) -> tuple[list[int], list[float]]:
-    logp = torch.log_softmax(logits, dim=-1)
-    if greedy:
-        idx = logits.argmax(-1)
-    else:
-        idx = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-    return idx.tolist(), logp.gather(-1, idx.unsqueeze(-1)).squeeze(-1).tolist()
-
-
-@dataclass
-class _Episode:
-    rollout_id: int
-    env: object
-    ctx: object
-    q: bool = False
-    v: int = 0
-    done: bool = False
-    reward: float = 0.0
-    status: EpisodeStatus = EpisodeStatus.COMPLETED
-
-
-@torch.no_grad()
-def collect(
-    policy: MemoryChainPolicy,
-    tasks: Sequence,
-    suite: MemoryChainSuite,
-    engine: CompactionEngine,
-    gen: torch.Generator,
-    first_rollout_id: int,
-    *,
-    summary_policy: MemoryChainPolicy | None = None,
-    frozen_summary: bool = False,
-    greedy: bool = False,
-) -> tuple[TensorDict, dict]:
-    """Run one episode per task, all at once, and return the validated episode batch and statistics.
-
-    Every step makes one batched table lookup for all episodes choosing an action and one for all episodes
-    writing a summary. Summaries come from ``summary_policy`` (the frozen copy in the frozen arm, tagged
-    ``FROZEN_SUMMARY``) or else from ``policy``. Behaviour log-probs are those of the distribution sampled from
-    (temperature 1); ``greedy`` takes the argmax instead (evaluation only; the recorded log-prob is that of the
-    argmax token).
-    """
-    summary_policy = summary_policy or policy
-    eps: list[_Episode] = []
-    for j, task in enumerate(tasks):
-        env = suite.make_env(task)
-        ctx = engine.start(env.reset())
-        q, v = context_features(ctx.context_ids)
-        eps.append(_Episode(first_rollout_id + j, env, ctx, q, v))
-    live = list(range(len(eps)))
-    while live:
-        acting = [i for i in live if not eps[i].ctx.pending_summary]
-        summarizing = [i for i in live if eps[i].ctx.pending_summary]
-        if acting:
-            q = torch.tensor([eps[i].q for i in acting])
-            v = torch.tensor([eps[i].v for i in acting])
-            idx, lps = _sample(policy.action_logits(q, v), gen, greedy)
-            for i, a, lp in zip(acting, idx, lps):
-                ep = eps[i]
-                tok = ACTION_IDS[a]
-                res = ep.env.step(ACTION_TEXT[tok])
-                word = observation_word(res.observation)
-                decision = ep.ctx.append_step([tok], [lp], res.observation)
-                if word == "question":
-                    ep.q = True
-                elif word in CODE_WORDS:
-                    ep.v = CODE_WORDS.index(word) + 1
-                if res.done:
-                    ep.done = True
-                    if res.info.get("truncated"):
-                        ep.status, ep.reward = EpisodeStatus.TRUNCATED, 0.0
-                    else:
-                        ep.status, ep.reward = EpisodeStatus.COMPLETED, float(res.reward)
-                elif decision is Decision.TRUNCATE:
-                    ep.done, ep.status, ep.reward = True, EpisodeStatus.TRUNCATED, 0.0
-        if summarizing:
-            v = torch.tensor([eps[i].v for i in summarizing])
-            idx, lps = _sample(summary_policy.summary_logits(v), gen, greedy)
-            for i, s, lp in zip(summarizing, idx, lps):
-                ep = eps[i]
-                ep.ctx.apply_summary([SUMMARY_IDS[s]], [lp], frozen=frozen_summary)
-                ep.q, ep.v = context_features(ep.ctx.context_ids)
-        live = [i for i in live if not eps[i].done]
-    rows = [build_episode(ep.ctx.segments(), ep.rollout_id, ep.reward, ep.status) for ep in eps]
-    batch = concat_episodes(rows)
-    validate_episodes(batch)
-    stats = {
-        "reward": sum(ep.reward for ep in eps) / len(eps),
-        "truncated": sum(ep.status == EpisodeStatus.TRUNCATED for ep in eps) / len(eps),
-        "compactions": sum(ep.ctx.n_compactions for ep in eps) / len(eps),
-        "steps": sum(ep.ctx.n_steps for ep in eps) / len(eps),
+def _episode_stats(collector: CompactionCollector) -> dict:
+    eps = collector.last_episodes
+    return {
+        "reward": sum(e.reward for e in eps) / len(eps),
+        "truncated": sum(e.status == EpisodeStatus.TRUNCATED for e in eps) / len(eps),
+        "compactions": sum(e.n_compactions for e in eps) / len(eps),
+        "steps": sum(e.n_steps for e in eps) / len(eps),
     }
-    return batch, stats
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -525,31 +556,33 @@ def collect(
 class RunState:
     """The mutable state of one run (policy, critic, optimiser, curriculum position, counters)."""
 
-    config: TrainConfig
+    config: TabularRunConfig
     seed: int
-    policy: MemoryChainPolicy
-    critic: MemoryChainCritic
-    frozen: MemoryChainPolicy | None
+    policy: TabularPolicy
+    critic: TabularCritic
+    frozen: TabularPolicy | None
     loss: CompactionPPOLoss
     optim: torch.optim.Optimizer
-    gen: torch.Generator
+    backend: TabularBackend  # samples actions (and, unless frozen, summaries) from `policy`
+    summary_backend: TabularBackend | None  # the frozen arm's summaries, from `frozen`
     stage: int = 0
     stage_iters: int = 0
     iteration: int = 0
     next_rollout_id: int = 0
     recent_rewards: list = field(default_factory=list)
     stage_starts: list = field(default_factory=list)  # (iteration, stage index, length)
+    collectors: dict = field(default_factory=dict)  # curriculum stage index -> its training CompactionCollector
 
 
-def make_run(config: TrainConfig, seed: int) -> RunState:
+def make_run(config: TabularRunConfig, seed: int) -> RunState:
     torch.manual_seed(seed)
-    policy = MemoryChainPolicy(config.warm_start_logit)
-    critic = MemoryChainCritic()
+    policy = TabularPolicy(config.warm_start_logit)
+    critic = TabularCritic()
     frozen = None
     if config.frozen_summary:
         frozen = copy.deepcopy(policy).requires_grad_(False)
     loss = CompactionPPOLoss(
-        actor_module(policy),
+        TensorDictModule(policy, in_keys=list(MODEL_IN_KEYS), out_keys=["log_prob", "entropy"]),
         critic_module(critic),
         eps_low=config.eps,
         eps_high=config.eps,
@@ -568,17 +601,21 @@ def make_run(config: TrainConfig, seed: int) -> RunState:
     optim = torch.optim.Adam(
         [{"params": policy.parameters(), "lr": config.lr_actor}, {"params": critic.parameters(), "lr": config.lr_critic}]
     )
-    gen = torch.Generator().manual_seed(seed)
-    st = RunState(config, seed, policy, critic, frozen, loss, optim, gen)
+    gen = torch.Generator().manual_seed(seed)  # one sampling stream per run, shared by both backends
+    summary_backend = TabularBackend(frozen, gen) if frozen is not None else None
+    st = RunState(config, seed, policy, critic, frozen, loss, optim, TabularBackend(policy, gen), summary_backend)
     st.stage_starts.append((0, 0, config.curriculum[0].length))
     return st
 
 
-def _train_tasks(st: RunState, stage: Stage) -> list:
-    tasks = _suite(stage.length, stage.forced_steps, st.config.suite_seed, st.config.train_tasks).tasks("train")
-    n = st.config.final_batch_episodes if stage.max_iters is None else st.config.batch_episodes
-    idx = torch.randint(len(tasks), (n,), generator=st.gen).tolist()
-    return [tasks[i] for i in idx]
+def _train_collector(st: RunState) -> CompactionCollector:
+    """The current stage's training collector (built once per stage; tasks drawn by the collector's seeded stream)."""
+    if st.stage not in st.collectors:
+        cfg = st.config
+        stage = cfg.curriculum[st.stage]
+        n = cfg.final_batch_episodes if stage.max_iters is None else cfg.batch_episodes
+        st.collectors[st.stage] = _collector(cfg, stage, "train", st.backend, st.summary_backend, n, st.seed)
+    return st.collectors[st.stage]
 
 
 def train_iteration(st: RunState, return_batch: bool = False):
@@ -586,18 +623,12 @@ def train_iteration(st: RunState, return_batch: bool = False):
     (and the batch, with ``advantage`` / ``value_target`` / ``state_value``, if ``return_batch``)."""
     cfg = st.config
     stage = cfg.curriculum[st.stage]
-    suite = _suite(stage.length, stage.forced_steps, cfg.suite_seed, cfg.train_tasks)
-    batch, stats = collect(
-        st.policy,
-        _train_tasks(st, stage),
-        suite,
-        _engine(stage.forced_steps),
-        st.gen,
-        st.next_rollout_id,
-        summary_policy=st.frozen,
-        frozen_summary=cfg.frozen_summary,
-    )
-    st.next_rollout_id = int(batch["rollout_id"].max()) + 1
+    collector = _train_collector(st)
+    # rollout ids (and the collector's task stream) continue across stages: one episode counter per run
+    collector.load_state_dict({"episodes_started": st.next_rollout_id, "batches_yielded": st.iteration})
+    batch = collector.collect()  # validated by the collector
+    st.next_rollout_id = collector.episodes_started
+    stats = _episode_stats(collector)
     with torch.no_grad():
         st.loss.value_estimator(batch)  # critic -> state_value; CrossTrajectoryGAE -> advantage, value_target
         # the teacher-forced pass must reproduce the behaviour log-probs exactly (same distribution)
@@ -640,30 +671,24 @@ def train_iteration(st: RunState, return_batch: bool = False):
 
 
 def evaluate(st: RunState, split: str, n: int, greedy: bool = False) -> float:
-    """Accuracy on the first ``n`` held-out tasks of ``split`` of the 96-step chain (24/48/72 compactions)."""
+    """Accuracy on the first ``n`` held-out tasks of ``split`` of the 96-step chain (24/48/72 compactions), in
+    chunks of 128 episodes, with a sampling stream of its own (seed ``10_000 + run seed``): evaluating never
+    moves the training stream."""
     cfg = st.config
-    suite = _suite(FINAL_STAGE.length, FINAL_STAGE.forced_steps, cfg.suite_seed, cfg.train_tasks)
-    tasks = suite.tasks(split)[:n]
+    n = min(n, len(_suite(FINAL_STAGE.length, FINAL_STAGE.forced_steps, cfg.suite_seed, cfg.train_tasks).tasks(split)))
     gen = torch.Generator().manual_seed(10_000 + st.seed)
+    backend = TabularBackend(st.policy, gen, greedy)
+    summary_backend = TabularBackend(st.frozen, gen, greedy) if st.frozen is not None else None
     correct = 0.0
-    for start in range(0, len(tasks), 128):
-        chunk = tasks[start:start + 128]
-        _, stats = collect(
-            st.policy,
-            chunk,
-            suite,
-            _engine(FINAL_STAGE.forced_steps),
-            gen,
-            10**9 + start,
-            summary_policy=st.frozen,
-            frozen_summary=cfg.frozen_summary,
-            greedy=greedy,
-        )
-        correct += stats["reward"] * len(chunk)
-    return correct / len(tasks)
+    for start in range(0, n, 128):
+        collector = _collector(cfg, FINAL_STAGE, split, backend, summary_backend, min(128, n - start), st.seed, tasks_in_order=True)
+        collector.load_state_dict({"episodes_started": start, "batches_yielded": 0})  # plays tasks start, start+1, …
+        collector.collect()
+        correct += sum(e.reward for e in collector.last_episodes)
+    return correct / n
 
 
-def train_run(arm: str, seed: int, config: TrainConfig | None = None, progress=None) -> dict:
+def train_run(arm: str, seed: int, config: TabularRunConfig | None = None, progress=None) -> dict:
     """Train one arm with one seed; returns its learning curve, final held-out accuracies and diagnostics."""
     cfg = config if config is not None else arm_config(arm)
     torch.set_num_threads(1)
