@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from crl.modules.presets import PRESETS
+from crl.objectives.options import EstimatorOptionError, check_estimator_options
 
 
 class ConfigValidationError(ValueError):
@@ -174,9 +175,6 @@ class Config:
 CHOICES = {
     "model.backend": ("transformers", "vllm"),
     "env.name": ("memory_chain", "sequential_records"),
-    "algo.lambda_length": ("segment", "rollout"),
-    "algo.value_target": ("local", "corrected"),
-    "algo.boundary": ("terminal", "bootstrap"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "warm_start.summary_content": ("random", "untrained"),
@@ -265,13 +263,10 @@ def validate(cfg: Config) -> None:
     _need(bool(cfg.run_dir), "run_dir", "must name a directory")
     _need(0.0 <= cfg.learner.max_padding < 1.0, "learner.max_padding", f"must be in [0, 1), got {cfg.learner.max_padding}")
     _need(cfg.learner.max_chunk_tokens is None or cfg.learner.max_chunk_tokens >= 1, "learner.max_chunk_tokens", "must be >= 1 or null")
-    _need((a.alpha is None) != (a.lmbda is None), "algo.alpha/algo.lmbda", "set exactly one (alpha for the length-adaptive λ, lmbda for a fixed λ; null the other)")
-    _need(0.0 <= a.gamma <= 1.0, "algo.gamma", f"must be in [0, 1], got {a.gamma}")
-    if a.lmbda is not None:
-        _need(0.0 <= a.lmbda <= 1.0, "algo.lmbda", f"must be in [0, 1], got {a.lmbda}")
-    if a.alpha is not None:
-        _need(a.alpha > 0, "algo.alpha", f"must be > 0, got {a.alpha}")
-    _need(not (a.boundary == "bootstrap" and a.cross_trajectory), "algo.boundary", "'bootstrap' requires algo.cross_trajectory=false")
+    try:  # the estimator's own check (one home: crl/objectives/options.py), named in config keys
+        check_estimator_options(a.gamma, a.alpha, a.lmbda, a.lambda_length, a.value_target, a.boundary, a.cross_trajectory)
+    except EstimatorOptionError as err:
+        raise ConfigValidationError(f"{'/'.join(f'algo.{name}' for name in err.option.split('/'))}: {err.reason}") from None
     _need(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algo.clip_eps_low/high", "must be > 0")
     _need(a.clip_value is None or a.clip_value > 0, "algo.clip_value", "must be > 0 or null")
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")

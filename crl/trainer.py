@@ -55,7 +55,7 @@ from crl.evidence import checkpoint_dir, write_evidence
 from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, current_umask
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, plan_forward, split_microbatches, split_rows
 from crl.modules.generation import SamplingParams, make_backend
-from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm
+from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.objectives.distributed import all_reduce_sum
 from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
@@ -63,9 +63,6 @@ from crl.tracking import MetricLogger, plot_curves
 from crl.warm_start import warm_start
 
 __all__ = ["Trainer", "make_accelerator"]
-
-MODEL_INPUT_KEYS = ["tokens", "attention_mask"]  # what the actor and the critic read from a segment row
-
 
 def make_accelerator(cfg: Config):
     """Plain accelerate, or two DeepSpeed engines (actor, critic) from one DeepSpeed JSON (DESIGN §9).
@@ -132,7 +129,7 @@ class Trainer:
     """CompactionRL on one process or many (accelerate / DeepSpeed ZeRO-2/3). See the module docstring.
 
     Attributes users touch: ``cfg``, ``run_dir``, ``rank``/``world``, ``lm`` (the policy's causal LM), ``actor`` /
-    ``critic`` (``TensorDictModule`` s over :data:`MODEL_INPUT_KEYS`), ``estimator``, ``policy_loss`` /
+    ``critic`` (``TensorDictModule`` s over :data:`crl.modules.models.MODEL_IN_KEYS`), ``estimator``, ``policy_loss`` /
     ``critic_loss``, ``collector``, ``logger``, ``stage`` (curriculum), ``start_iteration``.
     """
 
@@ -217,8 +214,8 @@ class Trainer:
             self.actor = PrefixSharedForward(self.actor_model, ["log_prob", "entropy"], **shared)
             self.critic = PrefixSharedForward(self.critic_model, ["state_value"], **shared)
         else:  # one padded forward of every segment row per micro-batch
-            self.actor = TensorDictModule(self.actor_model, MODEL_INPUT_KEYS, ["log_prob", "entropy"])
-            self.critic = TensorDictModule(self.critic_model, MODEL_INPUT_KEYS, ["state_value"])
+            self.actor = TensorDictModule(self.actor_model, list(MODEL_IN_KEYS), ["log_prob", "entropy"])
+            self.critic = TensorDictModule(self.critic_model, list(MODEL_IN_KEYS), ["state_value"])
 
         # ---- estimator and losses (DESIGN §4–§5)
         a = cfg.algo
@@ -284,7 +281,7 @@ class Trainer:
         cfg, w = self.cfg, self.cfg.warm_start
         suite = build_suite(cfg, self.lengths[0])
         return warm_start(
-            TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), MODEL_INPUT_KEYS, ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
+            TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
             self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
             summary_content=w.summary_content, log=self.logger.log, progress=self.is_main and cfg.logging.progress,
         )
@@ -334,7 +331,7 @@ class Trainer:
             if self.cfg.learner.prefix_sharing:  # no graph kept: the whole batch at once, chunked by the plan
                 values = self.critic(batch.select(*self.critic.in_keys).clone())["state_value"]
             else:
-                values = torch.cat([self.critic(mb.select(*MODEL_INPUT_KEYS).clone())["state_value"] for mb in self.split(batch)])
+                values = torch.cat([self.critic(mb.select(*MODEL_IN_KEYS).clone())["state_value"] for mb in self.split(batch)])
         batch["state_value"] = values[: batch.batch_size[0]] * batch["loss_mask"]
         return self.estimator(batch)
 

@@ -29,7 +29,8 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from tqdm.auto import tqdm
 
-from crl.compaction import CompactionConfig, CompactionEngine, Decision
+from crl.collectors.scripted import play_oracle_episode
+from crl.compaction import CompactionConfig, CompactionEngine
 from crl.episode import EpisodeStatus, build_episode, concat_episodes
 
 
@@ -47,25 +48,22 @@ def demonstration_batch(
         env = suite.make_env(rng.choice(tasks))
         ctx = engine.start(env.reset())
         extra = []
-        while True:
-            command = env.oracle_action()
-            action = list(encode(command)) + [eos_id]
-            result = env.step(command)
-            decision = ctx.append_step(action, [0.0] * len(action), result.observation)
-            if result.done or decision is Decision.TRUNCATE:
-                break
-            if decision is Decision.COMPACT:
-                correct = list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id]
-                draws = [list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id] for _ in range(FORMAT_DRAWS)]
-                shaped = draws[0]
-                row = build_episode([ctx.summary_segment(shaped, [0.0] * len(shaped))], 0, 0.0, EpisodeStatus.TRUNCATED)
-                if summary_content == "untrained":
-                    start = int(row["attention_mask"].sum()) - len(shaped)
-                    for i in range(len(shaped) - 1):  # the closing EOS is always format
-                        if any(len(d) != len(shaped) or d[i] != shaped[i] for d in draws):
-                            row["loss_mask"][0, start + i] = False
-                extra.append(row)
-                ctx.apply_summary(correct, [0.0] * len(correct), frozen=True)
+
+        def summarize(env, ctx):
+            """Resume from the correct summary, frozen; train a format-only summary segment beside it."""
+            correct = list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id]
+            draws = [list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id] for _ in range(FORMAT_DRAWS)]
+            shaped = draws[0]
+            row = build_episode([ctx.summary_segment(shaped, [0.0] * len(shaped))], 0, 0.0, EpisodeStatus.TRUNCATED)
+            if summary_content == "untrained":
+                start = int(row["attention_mask"].sum()) - len(shaped)
+                for i in range(len(shaped) - 1):  # the closing EOS is always format
+                    if any(len(d) != len(shaped) or d[i] != shaped[i] for d in draws):
+                        row["loss_mask"][0, start + i] = False
+            extra.append(row)
+            return correct, True
+
+        play_oracle_episode(env, ctx, encode, eos_id, summarize)
         rows.append(build_episode(ctx.segments(), 0, 0.0, EpisodeStatus.TRUNCATED))
         rows += extra
     return concat_episodes(rows)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from crl.compaction import CompactionConfig, CompactionEngine, Decision
+from crl.collectors import play_oracle_episode
+from crl.compaction import CompactionConfig, CompactionEngine
 from crl.envs import MemoryChainSuite
-from crl.episode import EpisodeStatus, Provenance, build_episode, save_episodes, validate_episodes
+from crl.episode import Provenance, build_episode, save_episodes, validate_episodes
 from crl.modules.tokenizer import encode, load_tokenizer
 from crl.prompts import EOS
 
@@ -40,22 +41,10 @@ def main() -> None:
         eos_id=eos,
     )
     ctx = engine.start(env.reset())
-    while True:
-        action = encode(env.oracle_action()) + [eos]
-        result = env.step(env.oracle_action())
-        decision = ctx.append_step(action, [-0.1] * len(action), result.observation)
-        if result.done:
-            status = EpisodeStatus.TRUNCATED if result.info["truncated"] else EpisodeStatus.COMPLETED
-            break
-        if decision is Decision.COMPACT:
-            summary = encode(env.oracle_summary()) + [eos]
-            ctx.apply_summary(summary, [-0.1] * len(summary))
-        elif decision is Decision.TRUNCATE:
-            status = EpisodeStatus.TRUNCATED
-            break
-    td = build_episode(ctx.segments(), rollout_id=0, reward=result.reward, status=status)
+    status, reward = play_oracle_episode(env, ctx, encode, eos, lambda env, ctx: (encode(env.oracle_summary()) + [eos], False), log_prob=-0.1)
+    td = build_episode(ctx.segments(), rollout_id=0, reward=reward, status=status)
     validate_episodes(td)
-    print(f"task {task.task_id}: {ctx.n_steps} steps, {ctx.n_compactions} compactions, reward {result.reward}")
+    print(f"task {task.task_id}: {ctx.n_steps} steps, {ctx.n_compactions} compactions, reward {reward}")
     print("legend: " + "  ".join(f"{v}={k.name.lower()}" for k, v in LETTER.items() if k != Provenance.PADDING))
     print("        (upper case = sampled; '^' marks loss-mask 1)")
     for s in range(td.batch_size[0]):
