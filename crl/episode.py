@@ -387,6 +387,7 @@ def save_episodes(td: TensorDict, path: str | os.PathLike) -> None:
     Per-segment keys are stored as ``[S]`` tensors; every ``[S, T]`` key is stored flat, holding only the
     ``length[s]`` real tokens of each row, with ``offsets[s]:offsets[s+1]`` slicing row ``s``.
     """
+    td = td.cpu()  # evidence is read back on any machine (the audit runs without a GPU)
     lengths = td["attention_mask"].sum(-1)
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)

@@ -109,10 +109,10 @@ def episode_stats(episodes) -> dict:
     }
 
 
-def reduce_stats(stats: dict) -> dict:
-    """Sum per-rank counts over data-parallel ranks."""
+def reduce_stats(stats: dict, device: torch.device | str = "cpu") -> dict:
+    """Sum per-rank counts over data-parallel ranks (on ``device``: NCCL reduces only CUDA tensors)."""
     keys = sorted(stats)
-    vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64))
+    vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device))
     return dict(zip(keys, vec.tolist()))
 
 
@@ -142,6 +142,7 @@ class Trainer:
         if torch.distributed.is_initialized():  # accelerate reports 1 process for DeepSpeed on CPU (DESIGN §9)
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.is_main = self.rank == 0
+        self.device = self.accelerator.device  # every tensor the trainer makes lives here (models, batches, collectives)
         if self.use_ds and cfg.model.share_critic_backbone:
             raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed (two engines cannot share parameters)")
         torch.set_num_threads(cfg.train.threads)
@@ -189,6 +190,7 @@ class Trainer:
                                    run_id=self._wandb_run_id(fresh=resume_from is None))
 
         # ---- policy (warm-started), critic (initialised from the policy: the paper's init), optimizers, engines
+        self.lm.to(self.device)  # warm start, the critic's copy and the frozen copy are made on the device
         actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p)  # the sampler's distribution
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             self.warm_start()
@@ -196,8 +198,9 @@ class Trainer:
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(actor_net)
             enable_gradient_checkpointing(critic_net)
-        self.frozen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if cfg.algo.frozen_summary else None
-        self.gen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False) if self.stage3 else self.lm  # what the collector samples from
+        self.frozen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device) if cfg.algo.frozen_summary else None
+        # what the collector samples from: ZeRO-3 partitions the actor, so sampling uses a gathered plain copy
+        self.gen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device) if self.stage3 else self.lm
         t = cfg.train
         actor_opt = torch.optim.Adam(actor_net.parameters(), lr=t.actor_lr, weight_decay=t.weight_decay)
         critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
@@ -233,10 +236,10 @@ class Trainer:
         self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.model.top_p, stop_token_ids=(eos,))
         seed = cfg.train.seed
         if cfg.model.backend == "transformers":
-            self.backend = make_backend("transformers", model=self.gen_lm, seed=seed * 1000 + self.rank)
+            self.backend = make_backend("transformers", model=self.gen_lm, seed=seed * 1000 + self.rank, device=self.device)
         else:
             self.backend = make_backend(cfg.model.backend, model_path=cfg.model.preset)
-        self.frozen_backend = make_backend("transformers", model=self.frozen_lm, seed=seed * 1000 + 500 + self.rank) if self.frozen_lm is not None else None
+        self.frozen_backend = make_backend("transformers", model=self.frozen_lm, seed=seed * 1000 + 500 + self.rank, device=self.device) if self.frozen_lm is not None else None
         self.collector = self.make_collector("train", self.lengths[self.stage])
 
         self.start_iteration = 0
@@ -284,6 +287,7 @@ class Trainer:
             TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
             self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
             summary_content=w.summary_content, log=self.logger.log, progress=self.is_main and cfg.logging.progress,
+            device=next(self.lm.parameters()).device,
         )
 
     def make_collector(self, split: str, length, *, evaluation: bool = False) -> CompactionCollector:
@@ -319,9 +323,9 @@ class Trainer:
     def collect(self) -> TensorDict:
         """Play one batch of training episodes with the current weights; ``self.last_episode_stats`` = counts over all ranks."""
         self.actor_model.eval()
-        rollout = self.collector.collect()
+        rollout = self.collector.collect().to(self.device)
         self.actor_model.train()
-        self.last_episode_stats = reduce_stats(episode_stats(self.collector.last_episodes))
+        self.last_episode_stats = reduce_stats(episode_stats(self.collector.last_episodes), self.device)
         return rollout
 
     def compute_advantages(self, rollout: TensorDict) -> TensorDict:
@@ -381,7 +385,7 @@ class Trainer:
         col = self.make_collector("dev", self.lengths[-1] if length is None else length, evaluation=True)
         self.actor_model.eval()
         col.collect()
-        stats = reduce_stats(episode_stats(col.last_episodes))
+        stats = reduce_stats(episode_stats(col.last_episodes), self.device)
         return stats["success"] / max(stats["episodes"], 1)
 
     def advance_curriculum(self, train_success: float) -> bool:

@@ -90,8 +90,11 @@ def warm_start(
     summary_content: str = "random",
     log: Callable[[dict, int], None] | None = None,
     progress: bool = True,
+    device: torch.device | str | None = None,
 ) -> float:
     """Adam on :func:`nll_loss` over fresh demonstrations each step (alternately with and without compaction).
+
+    Demonstrations are built on the CPU and moved to ``device`` (the actor's) for the forward.
 
     Deterministic given ``seed``: every data-parallel rank computes the same weights. Returns the last loss.
     Gradients are cleared at the end so none leaks into the first PPO step.
@@ -107,6 +110,8 @@ def warm_start(
     bar = tqdm(range(steps), desc="warm start", disable=not progress)
     for step in bar:
         batch = demonstration_batch(suite, engines[step % 2], encode, eos_id, batch_episodes, rng, summary_content)
+        if device is not None:
+            batch = batch.to(device)
         loss = nll_loss(actor_module, batch)
         opt.zero_grad()
         loss.backward()
