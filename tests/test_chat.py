@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from _plain_golden import golden
-from _real_model import smollm2_dir, smollm2_lm, smollm2_tokenizer  # noqa: F401 (fixtures)
 from crl.chat import CHAT_RESUME_PREFIX, CHAT_RESUME_SUFFIX, CHAT_SUMMARY_INSTRUCTION, CHAT_SYSTEM_PROMPT, ChatFormat, PlainFormat
 from crl.compaction import CompactionConfig, CompactionEngine, Decision
 from crl.envs import SequentialRecordsSuite

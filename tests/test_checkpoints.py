@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _real_model import NEEDS, have_smollm2, smollm2_dir, smollm2_tokenizer  # noqa: F401 (fixtures)
+from _real_model import NEEDS, have_smollm2
 from crl.modules import checkpoints
 from crl.modules.checkpoints import CheckpointImportError, find_known_gguf, import_checkpoint, import_gguf
 
