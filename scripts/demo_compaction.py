@@ -5,6 +5,12 @@ project's tokenizer; compaction is forced at the suite's schedule. Prints each s
 provenance letters with its loss mask, then validates and saves the batch as the episode contract's file.
 
     python scripts/demo_compaction.py [--length 12] [--out runs/demo/episodes.pt]
+
+With ``--chat --model DIR`` (a local checkpoint with a chat template, e.g. from scripts/import_checkpoint.py)
+the episode is rendered through the tokenizer's chat template (``prompt.format: chat``, :class:`crl.chat.ChatFormat`)
+and each segment is also printed as text; still scripted, the model's weights are not loaded.
+
+    python scripts/demo_compaction.py --chat --model checkpoints/smollm2-135m-instruct
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from crl.collectors import play_oracle_episode
 from crl.compaction import CompactionConfig, CompactionEngine
 from crl.envs import MemoryChainSuite
 from crl.episode import Provenance, build_episode, save_episodes, validate_episodes
-from crl.modules.tokenizer import encode, load_tokenizer
+from crl.modules.tokenizer import encode as project_encode, load_tokenizer
 from crl.prompts import EOS
 
 LETTER = {
@@ -29,9 +35,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=12, help="memory-chain distractor steps")
     parser.add_argument("--out", default="runs/demo/episodes.pt", help="where to save the episode batch")
+    parser.add_argument("--chat", action="store_true", help="render through the chat template of --model's tokenizer")
+    parser.add_argument("--model", help="local checkpoint directory (its tokenizer and chat template), with --chat")
     args = parser.parse_args()
+    if args.chat != bool(args.model):
+        parser.error("--chat and --model DIR go together")
 
-    eos = load_tokenizer().convert_tokens_to_ids(EOS)
+    fmt, text = None, None
+    if args.chat:
+        from crl.chat import ChatFormat, load_chat_tokenizer
+
+        tok = load_chat_tokenizer(args.model)
+        fmt = ChatFormat(tok)
+        encode, eos, text = fmt.encode, fmt.stop_id, (lambda ids: tok.decode(ids))
+    else:
+        encode, eos = project_encode, load_tokenizer().convert_tokens_to_ids(EOS)
     suite = MemoryChainSuite(length=args.length)
     task = suite.tasks("train")[0]
     env = suite.make_env(task)
@@ -39,6 +57,7 @@ def main() -> None:
         CompactionConfig(context_capacity=4096, min_remaining=256, max_summary_tokens=16, forced_steps=env.compaction_steps, keep_recent=env.keep_recent),
         encode,
         eos_id=eos,
+        prompt_format=fmt,
     )
     ctx = engine.start(env.reset())
     status, reward = play_oracle_episode(env, ctx, encode, eos, lambda env, ctx: (encode(env.oracle_summary()) + [eos], False), log_prob=-0.1)
@@ -54,6 +73,8 @@ def main() -> None:
         mask = "".join("^" if m else " " for m in td["loss_mask"][s, :n].tolist())
         print(f"[{s}] {kind:9s} n_opt={int(td['loss_mask'][s].sum()):3d} n_after={int(td['n_after'][s]):3d}")
         print(f"    {strip}\n    {mask}")
+        if text is not None:
+            print("    " + text(td["tokens"][s, :n].tolist()).replace("\n", "\n    "))
     save_episodes(td, args.out)
     print(f"saved {td.batch_size[0]} segments to {args.out}")
 

@@ -27,3 +27,7 @@ class ToyTokenizer:
 @pytest.fixture
 def toy_tokenizer():
     return ToyTokenizer()
+
+
+# Session fixtures of the real-model tests (one SmolLM2 import per session): tests/_real_model.py.
+from _real_model import smollm2_dir, smollm2_lm, smollm2_tokenizer  # noqa: E402,F401

@@ -197,13 +197,22 @@ class TransformersBackend:
 
 
 class VLLMBackend:
-    """vLLM inference (optional extra ``crl[vllm]``; NOT exercised: vLLM cannot be installed on the CPU machines).
+    """vLLM inference (optional extra ``crl[vllm]``, vLLM >= 0.10.2; NOT exercised: vLLM cannot be installed on the
+    CPU machines, and no GPU run has used it yet).
 
-    Uses ``vllm.LLM.generate`` with ``SamplingParams(logprobs=0)``, which returns the log-prob of each sampled
-    token; ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) makes those the log-probs *after*
-    temperature and top-p, i.e. the behaviour distribution this project requires. New weights are pushed
-    with ``load_weights`` on the driver worker's model.
+    * Sampling: ``vllm.LLM.generate`` with ``SamplingParams(logprobs=0)`` returns the log-prob of each sampled
+      token; ``logprobs_mode="processed_logprobs"`` (added in vLLM 0.10.2) makes those the log-probs *after*
+      temperature and top-p, i.e. the behaviour distribution this project requires.
+    * Seeds: every request gets its own seed, ``seed`` combined with a request counter that keeps counting across
+      calls (and is saved by :meth:`state_dict`), so two calls — or two iterations — never replay the same draws.
+    * Weights: pushed with ``LLM.collective_rpc("crl_load_weights", args=(weights,))`` into every worker through
+      the worker extension :class:`crl.modules.vllm_worker.CrlWorkerExtension` (vLLM's supported route for RL
+      weight updates in the V1 engine); then vLLM's prefix cache is reset, since cached keys/values belong to
+      the old weights.
     """
+
+    WORKER_EXTENSION = "crl.modules.vllm_worker.CrlWorkerExtension"
+    _SEED_MOD = 2**31 - 1
 
     def __init__(self, model_path: str, seed: int = 0, **llm_kwargs):
         try:
@@ -211,18 +220,36 @@ class VLLMBackend:
         except ImportError as err:  # optional backend: fail with the fix, only when asked for
             raise ImportError("VLLMBackend needs vLLM: pip install 'crl[vllm]' on a GPU machine") from err
         self._vllm = vllm
-        self.seed = seed
+        self.seed = int(seed)
+        self.requests_sampled = 0  # request counter: the per-request seed stream
+        llm_kwargs.setdefault("worker_extension_cls", self.WORKER_EXTENSION)
         self.llm = vllm.LLM(model=model_path, seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
 
+    def request_seed(self, n: int) -> int:
+        """Seed of the ``n``-th request of this backend (distinct for distinct ``n`` up to 2**31 requests)."""
+        return (self.seed * 1_000_003 + n) % self._SEED_MOD
+
     def clear_prefix_cache(self) -> None:
-        """vLLM's own prefix caching (``enable_prefix_caching``) manages its cache."""
+        """Reset vLLM's own prefix cache (``enable_prefix_caching``): it holds keys/values of the old weights."""
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        weights = list(state_dict.items())
-        self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights))
+        weights = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
+        self.llm.collective_rpc("crl_load_weights", args=(weights,))
+        self.clear_prefix_cache()
+
+    @property
+    def generator(self) -> "_RequestCounterState":
+        """``get_state()`` / ``set_state()`` like :attr:`TransformersBackend.generator` (the trainer checkpoints the
+        sampler RNG through it): here the state is the request counter, so a resumed run continues the seed stream."""
+        return _RequestCounterState(self)
 
     def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
         vllm = self._vllm
+        first = self.requests_sampled
+        self.requests_sampled += len(prompts)
         requests = [
             vllm.SamplingParams(
                 temperature=params.temperature,
@@ -230,7 +257,7 @@ class VLLMBackend:
                 max_tokens=int(m),
                 stop_token_ids=list(params.stop_token_ids),
                 logprobs=0,
-                seed=self.seed + i,
+                seed=self.request_seed(first + i),
             )
             for i, m in enumerate(max_new_tokens)
         ]
@@ -242,6 +269,17 @@ class VLLMBackend:
             logps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids)]
             result.append(Generation(ids, logps, comp.finish_reason == "stop"))
         return result
+
+
+class _RequestCounterState:
+    def __init__(self, backend: VLLMBackend):
+        self.backend = backend
+
+    def get_state(self) -> torch.Tensor:
+        return torch.tensor([self.backend.seed, self.backend.requests_sampled], dtype=torch.int64)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.backend.requests_sampled = int(state[1])
 
 
 def make_backend(name: str, **kwargs) -> GenerationBackend:
