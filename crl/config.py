@@ -36,6 +36,7 @@ class ModelConfig:
     top_p: float = 1.0
     max_action_tokens: int = 8
     backend: str = "transformers"  # or "vllm" (optional extra, GPU)
+    value_head_init: str = "zero"  # zero: V starts at 0 | normal: N(0, 0.02) weights (rewards all 0 still train the critic)
     gradient_checkpointing: bool = False  # recompute activations in backward (actor and critic): less memory, more time
 
 
@@ -183,6 +184,7 @@ class Config:
 CHOICES = {
     "model.backend": ("transformers", "vllm"),
     "prompt.format": ("plain", "chat"),
+    "model.value_head_init": ("zero", "normal"),
     "env.name": ("memory_chain", "sequential_records"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),

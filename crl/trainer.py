@@ -195,7 +195,7 @@ class Trainer:
         actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p)  # the sampler's distribution
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             self.warm_start()
-        critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone)
+        critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone, head_init=cfg.model.value_head_init, seed=cfg.train.seed)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(actor_net)
             enable_gradient_checkpointing(critic_net)

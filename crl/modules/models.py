@@ -149,18 +149,26 @@ def chunked_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: f
 class ValueModel(nn.Module):
     """The critic: a causal LM's backbone with a scalar value head, ``V(prefix) = w^T h + b``."""
 
-    def __init__(self, backbone: nn.Module, hidden_size: int):
+    HEAD_INITS = ("zero", "normal")
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, head_init: str = "zero", seed: int = 0):
         super().__init__()
+        if head_init not in self.HEAD_INITS:
+            raise ValueError(f"ValueModel: head_init={head_init!r} is not one of {self.HEAD_INITS}")
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)  # start at V = 0: the critic warm-up moves it to the reward scale
         nn.init.zeros_(self.value_head.bias)
+        if head_init == "zero":  # start at V = 0: the critic warm-up moves it to the reward scale
+            nn.init.zeros_(self.value_head.weight)
+        else:  # small random values (as TRL's value heads): a batch whose rewards are all 0 still trains the critic
+            with torch.no_grad():
+                self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
 
     @classmethod
-    def from_actor(cls, lm: nn.Module, share_backbone: bool = False) -> "ValueModel":
+    def from_actor(cls, lm: nn.Module, share_backbone: bool = False, head_init: str = "zero", seed: int = 0) -> "ValueModel":
         """Critic initialised from the actor's weights (the paper's choice), or sharing its backbone."""
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-        return cls(backbone if share_backbone else copy.deepcopy(backbone), lm.config.hidden_size)
+        return cls(backbone if share_backbone else copy.deepcopy(backbone), lm.config.hidden_size, head_init, seed)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         attention_mask = attention_mask.long()
