@@ -181,3 +181,51 @@ def test_study_arm_configs():
         cfg = flat(to_dict(load_config(STUDY / f"{arm}.yaml")))
         got = {k: v for k, v in cfg.items() if joint[k] != v and k != "run_dir"}
         assert got == diff, arm
+
+
+def test_lm_study_quick_report_and_resume(tmp_path):
+    """``scripts/lm_study.py --quick`` trains joint and frozen at seed 7 as two parallel scripts/train.py runs,
+    audits both (PASS), writes report.json (the issue's structure) and curves.png; a rerun skips both runs (the
+    trainer says "already complete") and reuses their audits."""
+    out = tmp_path / "study"
+    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "frozen", "--seeds", "7", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    first_s = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for arm in ("joint", "frozen"):
+        assert f"start  {arm} seed 7" in proc.stdout and f"finish {arm} seed 7" in proc.stdout
+
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= {"task", "compactions_per_episode", "machine", "wall_s", "arms"}
+    assert isinstance(report["compactions_per_episode"], int) and report["compactions_per_episode"] == 3
+    assert isinstance(report["machine"], str) and report["machine"] and report["wall_s"] > 0
+    task = report["task"]
+    assert task["early_submit"] == "fail" and task["forced_compactions"] == 3 and task["quick"] is True
+    assert task["chance"] == 1 / task["n_facts"]
+    assert set(report["arms"]) == {"joint", "frozen"}  # (atomic_write_json sorts keys)
+    assert report["arms"]["frozen"]["config"]["differs_from_base"] == {"algo.frozen_summary": True}
+    assert report["arms"]["joint"]["config"]["differs_from_base"] == {}
+    for arm, a in report["arms"].items():
+        assert isinstance(a["config"], dict)
+        assert list(a["seeds"]) == ["7"]
+        s = a["seeds"]["7"]
+        assert s["audit"] == "PASS", (arm, json.loads((out / s["run_dir"] / "audit.json").read_text())["failed"])
+        assert [it for it, _ in s["curve"]] == [0, 1, 2]  # quick: eval every iteration, 2 iterations
+        assert all(0.0 <= v <= 1.0 for _, v in s["curve"])
+        assert s["iter0_dev_success"] == s["curve"][0][1] and s["final_dev_success"] == s["curve"][-1][1]
+        assert s["train_wall_s"] > 0
+        assert (out / "runs" / f"{arm}_seed7" / "metrics.jsonl").is_file()
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    t0 = time.perf_counter()
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    rerun_s = time.perf_counter() - t0
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("already complete") == 2 and again.stdout.count("(reused)") == 2
+    assert rerun_s < first_s
+    report2 = json.loads((out / "report.json").read_text())
+    for arm in ("joint", "frozen"):  # the same results, the first invocation's training time kept
+        a, b = report["arms"][arm]["seeds"]["7"], report2["arms"][arm]["seeds"]["7"]
+        assert b["curve"] == a["curve"] and b["audit"] == "PASS" and b["train_wall_s"] == a["train_wall_s"]
