@@ -19,9 +19,9 @@ def build_suite(cfg, length: int | None = None):
     if e.name == "memory_chain":
         n = e.length if length is None else length
         schedule = e.compaction_steps if (e.compaction_steps is not None and length is None) else None
-        return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent, seed=e.seed, extra_steps=e.extra_steps)
+        return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent, seed=e.seed, extra_steps=e.extra_steps, early_submit=e.early_submit)
     n = e.n_records if length is None else length
-    return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, seed=e.seed, extra_steps=e.extra_steps)
+    return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, seed=e.seed, extra_steps=e.extra_steps, early_submit=e.early_submit)
 
 
 def build_compaction_config(cfg, suite) -> CompactionConfig:

@@ -68,6 +68,7 @@ class EnvConfig:
     extra_steps: int = 4
     seed: int = 0
     step_timeout_s: Optional[float] = None  # an environment step (or reset) slower than this ends its episode FAILED
+    early_submit: str = "accept"  # a submit before the question: accept (verified; the shortcut) | fail (reward 0); crl/envs/base.py
 
 
 @dataclass
@@ -189,6 +190,7 @@ CHOICES = {
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "warm_start.summary_content": ("random", "untrained"),
+    "env.early_submit": ("accept", "fail"),
 }
 
 

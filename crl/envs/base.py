@@ -7,6 +7,13 @@ then ``submit <answer>``, checked by an exact terminal verifier. The protocol:
   ``next`` shows it again (so a summary never has to carry the question: the agent can always ask again).
 * ``submit <answer>`` ends the episode: reward 1.0 if ``<answer>`` (stripped) equals the task's answer exactly,
   else 0.0. ``submit`` without an answer is an invalid command.
+* ``early_submit`` (an environment option, :data:`EARLY_SUBMIT`) says what a ``submit <answer>`` *before the
+  question has been shown* does. ``accept`` (default): it is verified like any other submit — so a policy may
+  answer while the fact is still in its context and never need a summary (the shortcut). ``fail``: it ends the
+  episode with reward 0 whatever the answer (``done=True``, ``info["correct"]=False``, ``info["early"]=True``,
+  observation :data:`EARLY_SUBMIT_FAILED`); the episode is *completed* (the verifier's score is 0), not truncated.
+  With ``fail`` the answer counts only after the whole stream and the question, when (with forced compaction)
+  the early items survive only through the agent's summaries.
 * Anything else is answered with an ``error : …`` observation and costs a step; it never ends the episode.
 * Every command costs one step. When the step that reaches ``max_steps`` does not end the episode, the episode
   ends as truncated: ``done=True``, ``reward=0.0``, ``info["truncated"]=True``.
@@ -32,6 +39,8 @@ __all__ = [
     "SUBMIT",
     "UNKNOWN_COMMAND",
     "MISSING_ANSWER",
+    "EARLY_SUBMIT",
+    "EARLY_SUBMIT_FAILED",
     "Task",
     "StepResult",
     "TextEnv",
@@ -44,6 +53,8 @@ NEXT = "next"
 SUBMIT = "submit"
 UNKNOWN_COMMAND = "error : unknown command . use next or submit followed by the answer"
 MISSING_ANSWER = "error : submit needs an answer"
+EARLY_SUBMIT = ("accept", "fail")  # what a submit before the question does (module docstring)
+EARLY_SUBMIT_FAILED = "submitted before the question"
 
 
 @dataclass(frozen=True)
@@ -94,10 +105,12 @@ class TextEnv:
     #: Atomic steps kept verbatim after a compaction (k of DESIGN.md §1, Eq. 9).
     keep_recent: int = 2
 
-    def __init__(self, task: Task, max_steps: int):
+    def __init__(self, task: Task, max_steps: int, early_submit: str = "accept"):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        _check_early_submit(early_submit)
         self.task = task
+        self.early_submit = early_submit
         self.max_steps = max_steps
         self.steps = 0
         self.n_revealed = 0  # items shown so far
@@ -124,7 +137,11 @@ class TextEnv:
             observation = self._next()
         elif command == SUBMIT or command.startswith(SUBMIT + " "):
             answer = command[len(SUBMIT):].strip()
-            if answer:
+            if answer and self.early_submit == "fail" and not self.question_shown:
+                info["correct"], info["early"] = False, True
+                done, reward = True, 0.0
+                observation = EARLY_SUBMIT_FAILED
+            elif answer:
                 correct = answer == self.task.answer
                 info["correct"] = correct
                 done, reward = True, float(correct)
@@ -173,6 +190,8 @@ class TaskSuite:
     ``tasks(split)`` for split in ``train``/``dev``/``test``; ``make_env(task)`` gives a fresh episode.
     With ``disjoint_splits`` (default) no dev task equals a train task and no test task equals a train or dev
     task: a colliding task is redrawn with the next attempt number (at most ``MAX_ATTEMPTS`` times).
+    ``early_submit`` (``accept`` | ``fail``, module docstring) is passed to every environment; it does not change
+    the tasks (nor the digest).
     """
 
     name: str = "suite"
@@ -184,7 +203,9 @@ class TaskSuite:
         split_sizes: Mapping[str, int] | None = None,
         extra_steps: int = 4,
         disjoint_splits: bool = True,
+        early_submit: str = "accept",
     ):
+        _check_early_submit(early_submit)
         sizes = dict(split_sizes) if split_sizes is not None else {"train": 240, "dev": 60, "test": 60}
         if set(sizes) != set(SPLITS) or any(n < 0 for n in sizes.values()):
             raise ValueError(f"split_sizes needs non-negative sizes for exactly {SPLITS}, got {sizes}")
@@ -194,6 +215,7 @@ class TaskSuite:
         self.split_sizes = sizes
         self.extra_steps = extra_steps
         self.disjoint_splits = disjoint_splits
+        self.early_submit = early_submit
         self._tasks: dict[str, tuple[Task, ...]] | None = None
 
     # -- subclass hooks -------------------------------------------------------------------------------------
@@ -250,6 +272,11 @@ class TaskSuite:
             out[split] = tuple(tasks)
             seen.update(_content(t) for t in tasks)
         return out
+
+
+def _check_early_submit(value: str) -> None:
+    if value not in EARLY_SUBMIT:
+        raise ValueError(f"early_submit must be one of {EARLY_SUBMIT}, got {value!r}")
 
 
 def _content(task: Task) -> str:

@@ -13,7 +13,9 @@ The optimal episode is ``length + 3`` steps: fact, ``length`` distractors, quest
 
 Compaction is forced after the atomic steps in ``compaction_steps`` (default: a quarter, half and three
 quarters of ``length``, i.e. 24/48/72 for 96) with ``keep_recent`` (2) steps kept verbatim, so the fact
-survives only through the summaries. A correct summary is ``code 3`` (``none`` before the fact is shown).
+survives only through the summaries — provided the environment refuses an answer before the question
+(``early_submit="fail"``, see :mod:`crl.envs.base`): with the default ``accept`` a policy can submit at step 2,
+while the fact is still in its context. A correct summary is ``code 3`` (``none`` before the fact is shown).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ QUESTION = "question : what is the code ?"
 class MemoryChainEnv(TextEnv):
     """One episode of a memory-chain task; the fact's code is the task's answer."""
 
-    def __init__(self, task: Task, max_steps: int, n_facts: int, compaction_steps: tuple[int, ...], keep_recent: int):
-        super().__init__(task, max_steps)
+    def __init__(self, task: Task, max_steps: int, n_facts: int, compaction_steps: tuple[int, ...], keep_recent: int, early_submit: str = "accept"):
+        super().__init__(task, max_steps, early_submit)
         self.n_facts = n_facts
         self.compaction_steps = compaction_steps
         self.keep_recent = keep_recent
@@ -51,7 +53,8 @@ class MemoryChainSuite(TaskSuite):
     Knobs: ``length`` (distractor steps after the fact), ``n_facts`` (codes are ``0 … n_facts-1``),
     ``compaction_steps`` (forced schedule; ``None`` derives ``round(length·j/4)`` for j = 1, 2, 3, dropping
     zeros and duplicates), ``keep_recent`` (atomic steps kept after a compaction), ``seed``, ``split_sizes``,
-    ``extra_steps`` (step-limit slack over the optimal ``length + 3`` steps).
+    ``extra_steps`` (step-limit slack over the optimal ``length + 3`` steps), ``early_submit`` (``accept`` |
+    ``fail``: what a submit before the question does, :mod:`crl.envs.base`).
     """
 
     name = "memory"
@@ -66,6 +69,7 @@ class MemoryChainSuite(TaskSuite):
         split_sizes: Mapping[str, int] | None = None,
         extra_steps: int = 4,
         disjoint_splits: bool = True,
+        early_submit: str = "accept",
     ):
         if length < 0:
             raise ValueError(f"length must be >= 0, got {length}")
@@ -78,7 +82,7 @@ class MemoryChainSuite(TaskSuite):
         compaction_steps = tuple(int(s) for s in compaction_steps)
         if list(compaction_steps) != sorted(set(compaction_steps)) or any(s < 1 for s in compaction_steps):
             raise ValueError(f"compaction_steps must be strictly increasing positive ints, got {compaction_steps}")
-        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits)
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit)
         self.length = length
         self.n_facts = n_facts
         self.compaction_steps = compaction_steps
@@ -102,4 +106,4 @@ class MemoryChainSuite(TaskSuite):
         )
 
     def make_env(self, task: Task) -> MemoryChainEnv:
-        return MemoryChainEnv(task, self.max_steps(task), self.n_facts, self.compaction_steps, self.keep_recent)
+        return MemoryChainEnv(task, self.max_steps(task), self.n_facts, self.compaction_steps, self.keep_recent, self.early_submit)

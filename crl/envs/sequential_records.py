@@ -70,7 +70,9 @@ class SequentialRecordsSuite(TaskSuite):
     Knobs: ``n_records`` (records per task), ``distractor_rate`` (probability a record is an ``ignore``
     distractor; the first record is always an update), ``n_keys`` (distinct keys per task, at most
     ``len(KEYS)``), ``n_values`` (values are ``0 … n_values-1``, at most 10), ``seed``, ``split_sizes``,
-    ``extra_steps`` (step-limit slack over the optimal ``n_records + 2`` steps).
+    ``extra_steps`` (step-limit slack over the optimal ``n_records + 2`` steps), ``early_submit`` (``accept`` |
+    ``fail``, :mod:`crl.envs.base`: before the question a submit can only guess the asked key, but with
+    ``accept`` it ends the episode before any compaction is needed).
     """
 
     name = "records"
@@ -85,6 +87,7 @@ class SequentialRecordsSuite(TaskSuite):
         split_sizes: Mapping[str, int] | None = None,
         extra_steps: int = 4,
         disjoint_splits: bool = True,
+        early_submit: str = "accept",
     ):
         if n_records < 1:
             raise ValueError(f"n_records must be >= 1, got {n_records}")
@@ -94,7 +97,7 @@ class SequentialRecordsSuite(TaskSuite):
             raise ValueError(f"n_keys must be in [1, {len(KEYS)}], got {n_keys}")
         if not 2 <= n_values <= 10:
             raise ValueError(f"n_values must be in [2, 10], got {n_values}")
-        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits)
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit)
         self.n_records = n_records
         self.distractor_rate = distractor_rate
         self.n_keys = n_keys
@@ -133,4 +136,4 @@ class SequentialRecordsSuite(TaskSuite):
         )
 
     def make_env(self, task: RecordsTask) -> SequentialRecordsEnv:
-        return SequentialRecordsEnv(task, self.max_steps(task))
+        return SequentialRecordsEnv(task, self.max_steps(task), self.early_submit)

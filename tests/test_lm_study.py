@@ -1,0 +1,231 @@
+"""The LM study's groundwork (issue 13, docs/lm_study.md): a task without the early-submit shortcut, proved with
+a summary-blind policy; the ``env.early_submit`` key; ``scripts/lm_study.py --quick`` end to end (report
+structure, audits, resume)."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crl.builders import build_compaction_config, build_suite
+from crl.collectors import play_oracle_episode
+from crl.compaction import CompactionEngine
+from crl.config import ConfigValidationError, load_config
+from crl.envs import MemoryChainSuite, SequentialRecordsSuite
+from crl.envs.base import EARLY_SUBMIT_FAILED
+from crl.episode import EpisodeStatus
+from crl.modules.tokenizer import decode, encode, load_tokenizer
+from crl.prompts import EOS
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = ROOT / "configs" / "study"
+ARMS = ("joint", "joint_segment_lambda", "frozen", "no_cross_trajectory", "segment_mean", "ppo_epochs")
+CODE = re.compile(r"code is (\d+)")
+
+
+class SummaryBlindAgent:
+    """A policy that never reads a summary: it answers with a code visible in its *current context tokens*
+    (``fact : the code is 3`` still inside the context window), else with the fixed ``guess``.
+
+    Summaries are always ``none``, so after a compaction the fact is gone unless a kept atomic step shows it.
+    ``eager``: submit as soon as a code is visible (the shortcut: step 2, right after the fact); otherwise play
+    like the oracle (``next`` until the question has been shown) and submit only then. Wraps the environment so
+    that :func:`crl.collectors.play_oracle_episode` plays it: ``oracle_action`` is this agent's action.
+    """
+
+    def __init__(self, env, guess: str, eager: bool):
+        self.env, self.guess, self.eager, self.ctx = env, guess, eager, None
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def visible_code(self):
+        found = CODE.findall(decode(self.ctx.context_ids))
+        return found[-1] if found else None
+
+    def oracle_action(self) -> str:
+        code = self.visible_code()
+        if self.eager and code is not None:
+            return f"submit {code}"
+        if not self.env.question_shown:
+            return "next"
+        return f"submit {code if code is not None else self.guess}"
+
+    def step(self, command):
+        return self.env.step(command)
+
+
+def play_blind(cfg, guess: str, eager: bool, split: str = "dev"):
+    """Success rate of :class:`SummaryBlindAgent` over every task of ``split`` on ``cfg``'s task and compaction
+    schedule (summaries ``none``), plus the statuses and the summaries-per-episode count."""
+    eos = load_tokenizer().convert_tokens_to_ids(EOS)
+    suite = build_suite(cfg)
+    engine = CompactionEngine(build_compaction_config(cfg, suite), encode, eos_id=eos)
+    none = list(encode("none")) + [eos]
+    rewards, statuses, compactions = [], [], []
+    for task in suite.tasks(split):
+        agent = SummaryBlindAgent(suite.make_env(task), guess, eager)
+        agent.ctx = engine.start(agent.env.reset())
+        status, reward = play_oracle_episode(agent, agent.ctx, encode, eos, lambda env, ctx: (list(none), False))
+        rewards.append(reward)
+        statuses.append(status)
+        compactions.append(agent.ctx.n_compactions)
+    return sum(rewards) / len(rewards), statuses, compactions
+
+
+def study_cfg(early_submit: str):
+    return load_config(STUDY / "joint.yaml", [f"env.early_submit={early_submit}"])
+
+
+def test_study_task_has_no_shortcut():
+    """With ``early_submit: fail`` (the study's setting) a summary-blind policy scores at most chance + 5 points on
+    the 60 dev tasks, whatever its fixed guess and whether or not it tries to answer early; with ``accept`` the
+    eager blind policy answers at step 2 from the fact still in its context and scores 1.0 (the shortcut)."""
+    cfg = study_cfg("fail")
+    assert (cfg.env.length, cfg.env.compaction_steps, cfg.compaction.keep_recent, cfg.env.early_submit) == (24, [6, 12, 18], 2, "fail")
+    n_facts = cfg.env.n_facts
+    chance = 1 / n_facts
+    assert len(build_suite(cfg).tasks("dev")) >= 60
+
+    # accept: the shortcut exists
+    success, statuses, compactions = play_blind(study_cfg("accept"), "0", eager=True)
+    assert success == 1.0 and set(statuses) == {EpisodeStatus.COMPLETED}
+    assert max(compactions) == 0, "the eager blind policy answers before the first compaction"
+
+    # fail: the same eager policy gets 0 (its early submit is refused), and a patient one is at chance for every guess
+    success, statuses, _ = play_blind(cfg, "0", eager=True)
+    assert success == 0.0 and set(statuses) == {EpisodeStatus.COMPLETED}
+    for guess in range(n_facts):
+        success, statuses, compactions = play_blind(cfg, str(guess), eager=False)
+        assert set(compactions) == {3}, "every episode goes through the three compactions"
+        assert set(statuses) == {EpisodeStatus.COMPLETED}
+        assert success <= chance + 0.05, f"guess {guess}: blind success {success:.3f} > chance {chance} + 0.05"
+
+    # sanity: the blind agent really reads its context — with the oracle's summaries (no compaction needed) it is perfect
+    no_compaction = load_config(STUDY / "joint.yaml", ["compaction.enabled=false", "compaction.context_capacity=1024"])
+    success, _, _ = play_blind(no_compaction, "0", eager=False)
+    assert success == 1.0
+
+
+def test_early_submit_env_semantics():
+    """``fail``: a submit (any answer) before the question ends the episode, completed with reward 0; the same
+    submit after the question is verified as before; ``submit`` without an answer stays an invalid command."""
+    for suite in (MemoryChainSuite(length=3, early_submit="fail"), SequentialRecordsSuite(n_records=3, early_submit="fail")):
+        task = suite.tasks("train")[0]
+        env = suite.make_env(task)
+        assert env.early_submit == "fail"
+        env.reset()
+        env.step("next")
+        r = env.step("submit")
+        assert not r.done and r.info["invalid"]
+        r = env.step(f"submit {task.answer}")
+        assert r.done and r.reward == 0.0 and r.info["early"] and not r.info["correct"] and not r.info["truncated"]
+        assert r.observation == EARLY_SUBMIT_FAILED
+        env.reset()
+        for _ in range(task.n_items + 1):
+            r = env.step("next")
+        assert r.observation == task.question
+        r = env.step(f"submit {task.answer}")
+        assert r.done and r.reward == 1.0 and r.info["correct"] and "early" not in r.info
+    accept = MemoryChainSuite(length=3)
+    assert accept.early_submit == "accept"
+    env = accept.make_env(accept.tasks("train")[0])
+    env.reset()
+    r = env.step(f"submit {env.task.answer}")
+    assert r.done and r.reward == 1.0
+    assert MemoryChainSuite(length=3, early_submit="fail").digest() == accept.digest(), "the option does not change the tasks"
+    with pytest.raises(ValueError, match="early_submit"):
+        MemoryChainSuite(early_submit="refuse")
+
+
+def test_early_submit_config_key():
+    """``env.early_submit`` defaults to accept (existing runs unchanged), is validated at load time and reaches the
+    environments through build_suite (both task families)."""
+    assert load_config().env.early_submit == "accept"
+    assert load_config(ROOT / "configs" / "default.yaml").env.early_submit == "accept"
+    with pytest.raises(ConfigValidationError, match="env.early_submit"):
+        load_config(None, ["env.early_submit=refuse"])
+    cfg = load_config(None, ["env.early_submit=fail"])
+    assert build_suite(cfg).early_submit == "fail"
+    assert build_suite(cfg, length=2).make_env(build_suite(cfg, length=2).tasks("dev")[0]).early_submit == "fail"
+    cfg = load_config(None, ["env.name=sequential_records", "env.early_submit=fail"])
+    assert build_suite(cfg).make_env(build_suite(cfg).tasks("dev")[0]).early_submit == "fail"
+
+
+def test_study_arm_configs():
+    """Every arm loads, layers on base.yaml (3 forced compactions, early_submit fail, 60 dev episodes) and differs
+    from joint only in what the arm is about."""
+    from crl.config import to_dict
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    joint = flat(to_dict(load_config(STUDY / "joint.yaml")))
+    assert joint["env.early_submit"] == "fail" and joint["env.compaction_steps"] == [6, 12, 18]
+    assert joint["eval.episodes"] >= 60 and joint["algo.lambda_length"] == "rollout"
+    expected = {
+        "joint_segment_lambda": {"algo.lambda_length": "segment"},
+        "frozen": {"algo.frozen_summary": True},
+        "no_cross_trajectory": {"algo.cross_trajectory": False},
+        "segment_mean": {"algo.aggregation": "segment_mean"},
+        "ppo_epochs": {"train.policy_epochs": 2, "train.policy_minibatches": 2},
+    }
+    for arm, diff in expected.items():
+        cfg = flat(to_dict(load_config(STUDY / f"{arm}.yaml")))
+        got = {k: v for k, v in cfg.items() if joint[k] != v and k != "run_dir"}
+        assert got == diff, arm
+
+
+def test_lm_study_quick_report_and_resume(tmp_path):
+    """``scripts/lm_study.py --quick`` trains joint and frozen at seed 7 as two parallel scripts/train.py runs,
+    audits both (PASS), writes report.json (the issue's structure) and curves.png; a rerun skips both runs (the
+    trainer says "already complete") and reuses their audits."""
+    out = tmp_path / "study"
+    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "frozen", "--seeds", "7", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    first_s = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for arm in ("joint", "frozen"):
+        assert f"start  {arm} seed 7" in proc.stdout and f"finish {arm} seed 7" in proc.stdout
+
+    report = json.loads((out / "report.json").read_text())
+    assert set(report) >= {"task", "compactions_per_episode", "machine", "wall_s", "arms"}
+    assert isinstance(report["compactions_per_episode"], int) and report["compactions_per_episode"] == 3
+    assert isinstance(report["machine"], str) and report["machine"] and report["wall_s"] > 0
+    task = report["task"]
+    assert task["early_submit"] == "fail" and task["forced_compactions"] == 3 and task["quick"] is True
+    assert task["chance"] == 1 / task["n_facts"]
+    assert set(report["arms"]) == {"joint", "frozen"}  # (atomic_write_json sorts keys)
+    assert report["arms"]["frozen"]["config"]["differs_from_base"] == {"algo.frozen_summary": True}
+    assert report["arms"]["joint"]["config"]["differs_from_base"] == {}
+    for arm, a in report["arms"].items():
+        assert isinstance(a["config"], dict)
+        assert list(a["seeds"]) == ["7"]
+        s = a["seeds"]["7"]
+        assert s["audit"] == "PASS", (arm, json.loads((out / s["run_dir"] / "audit.json").read_text())["failed"])
+        assert [it for it, _ in s["curve"]] == [0, 1, 2]  # quick: eval every iteration, 2 iterations
+        assert all(0.0 <= v <= 1.0 for _, v in s["curve"])
+        assert s["iter0_dev_success"] == s["curve"][0][1] and s["final_dev_success"] == s["curve"][-1][1]
+        assert s["train_wall_s"] > 0
+        assert (out / "runs" / f"{arm}_seed7" / "metrics.jsonl").is_file()
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    t0 = time.perf_counter()
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    rerun_s = time.perf_counter() - t0
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("already complete") == 2 and again.stdout.count("(reused)") == 2
+    assert rerun_s < first_s
+    report2 = json.loads((out / "report.json").read_text())
+    for arm in ("joint", "frozen"):  # the same results, the first invocation's training time kept
+        a, b = report["arms"][arm]["seeds"]["7"], report2["arms"][arm]["seeds"]["7"]
+        assert b["curve"] == a["curve"] and b["audit"] == "PASS" and b["train_wall_s"] == a["train_wall_s"]
