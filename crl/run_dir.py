@@ -149,9 +149,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_diff(stored: dict, requested: dict, ignore: tuple[str, ...] = RESUME_SAFE_KEYS) -> list[str]:
-    """``["key: stored -> requested", ...]`` for every differing key not matched by ``ignore`` (exact or prefix)."""
-    a, b = _flatten(stored), _flatten(requested)
+def config_diff(stored: dict, requested: dict, ignore: tuple[str, ...] = RESUME_SAFE_KEYS, defaults: dict | None = None) -> list[str]:
+    """``["key: stored -> requested", ...]`` for every differing key not matched by ``ignore`` (exact or prefix).
+
+    ``defaults``: the current schema's defaults; a key the stored config lacks (added to crl after the run
+    started) counts as its default, so upgrading crl does not by itself block a resume.
+    """
+    a, b = {**_flatten(defaults or {}), **_flatten(stored)}, _flatten(requested)
     lines = []
     for key in sorted(set(a) | set(b)):
         if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):

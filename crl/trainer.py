@@ -172,7 +172,7 @@ class Trainer:
         resume_from = self._find_resume_checkpoint()
         resume_meta = json.loads((resume_from / "meta.json").read_text()) if resume_from is not None else None
         if resume_meta is not None:
-            diff = config_diff(resume_meta["config"], to_dict(cfg))
+            diff = config_diff(resume_meta["config"], to_dict(cfg), defaults=to_dict(Config()))
             if diff and cfg.checkpoint.resume != "force":
                 raise RunDirError(
                     f"run_dir {self.run_dir} holds a run with another config ({resume_from.name}); differing keys: "

@@ -892,3 +892,15 @@ def test_top_p_first_policy_update_has_ratio_one(tmp_path):
     m = trainer.step_log["metrics"]
     assert max(abs(v) for v in m["policy/approx_kl"]) < 1e-6 and max(m["policy/clip_fraction"]) == 0.0
     trainer.close()
+
+
+def test_config_diff_treats_keys_added_to_the_schema_as_their_default():
+    """A run started before crl gained a key resumes (the key counts as its default); a real change is listed."""
+    from crl.run_dir import config_diff
+
+    defaults = {"env": {"early_submit": "accept", "length": 4}, "train": {"iterations": 40, "actor_lr": 1e-3}}
+    stored = {"env": {"length": 4}, "train": {"iterations": 40, "actor_lr": 1e-3}}
+    same = {"env": {"early_submit": "accept", "length": 4}, "train": {"iterations": 80, "actor_lr": 1e-3}}
+    assert config_diff(stored, same, defaults=defaults) == []  # new key at its default; iterations may change
+    changed = {"env": {"early_submit": "fail", "length": 4}, "train": {"iterations": 40, "actor_lr": 1e-3}}
+    assert config_diff(stored, changed, defaults=defaults) == ["env.early_submit: 'accept' -> 'fail'"]
