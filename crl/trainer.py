@@ -486,7 +486,10 @@ class Trainer:
         if "learner_s" in self.step_log:  # passes over the batch: the values, each critic step, each policy epoch
             passes = 1 + len(self.step_log["grad_norms"]["critic"]) + (self.cfg.train.policy_epochs if self.step_log["grad_norms"]["actor"] else 0)
             log["perf/learner_tokens_per_s"] = passes * log["perf/learner_tokens"] / max(self.step_log["learner_s"], 1e-9)
-        log["perf/peak_memory_mb"] = peak_memory_mb()
+        peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        log["perf/peak_memory_mb"] = float(peak)  # the largest peak of any rank
         return log
 
     # ------------------------------------------------------------------------------------------ checkpoints, evidence
