@@ -123,6 +123,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     threads: int = 1  # torch threads per process
+    precision: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU | fp32 | bf16 (needs CUDA)
     curriculum: list = field(default_factory=list)  # list of CurriculumStage; empty: env.length throughout
 
 
@@ -185,6 +186,7 @@ class Config:
 CHOICES = {
     "model.backend": ("transformers", "vllm"),
     "prompt.format": ("plain", "chat"),
+    "train.precision": ("auto", "fp32", "bf16"),
     "model.value_head_init": ("zero", "normal"),
     "env.name": ("memory_chain", "sequential_records"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),

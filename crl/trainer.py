@@ -77,13 +77,18 @@ def make_accelerator(cfg: Config):
         ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")  # `accelerate launch --use_deepspeed ...`
         if not ds_file:
             raise ConfigValidationError("--use_deepspeed needs --deepspeed_config_file (e.g. configs/deepspeed/zero2.json)")
+    cuda = torch.cuda.is_available()
+    if cfg.train.precision == "bf16" and not cuda:
+        raise ConfigValidationError("train.precision=bf16 needs a CUDA device; use auto or fp32 on CPU")
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
     if ds_file is None:
-        return Accelerator(cpu=not torch.cuda.is_available()), None
+        return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no"), None
     ds = json.loads(Path(ds_file).read_text())
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two below and the world size
     ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of segments per backward
     ds["gradient_accumulation_steps"] = cfg.train.micro_batches  # we call backward+step per micro-batch
     ds["gradient_clipping"] = cfg.train.max_grad_norm
+    ds.setdefault("bf16", {"enabled": bf16})  # actor and critic engines in bf16 on GPUs (the JSON may override)
     # zero3_init_flag=False: build full weights on every rank (warm start and the critic's copy of the actor
     # need them); ZeRO-3 partitions them at prepare(). Models too large for one rank need zero.Init instead.
     plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds), zero3_init_flag=False) for name in ("actor", "critic")}
