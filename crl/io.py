@@ -15,6 +15,7 @@ message is one line naming the path and the errno, e.g.
 from __future__ import annotations
 
 import errno as _errno
+import hashlib
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["WriteError", "as_write_error", "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "atomic_dir",
-           "current_umask"]
+           "commit_dir", "current_umask", "sha256_file"]
 
 
 class WriteError(OSError):
@@ -68,8 +69,11 @@ def _dir_mode() -> int:
 _LOST_ERRNO_MARKERS = ("iostream error", "file write failed", "unexpected pos", "PytorchStreamWriter")
 
 
-def _as_write_error(err: BaseException, path: Path) -> BaseException:
-    """The exception to raise for a failed write of ``path``: a WriteError when it is an I/O failure."""
+def as_write_error(err: BaseException, path: Path) -> BaseException:
+    """The exception to raise for a failed write of ``path``: a WriteError when it is an I/O failure.
+
+    Public: callers that write through other libraries (accelerate's ``save_state``) map their errors too.
+    """
     if isinstance(err, WriteError):
         return err
     if isinstance(err, OSError):
@@ -86,9 +90,6 @@ def _as_write_error(err: BaseException, path: Path) -> BaseException:
             pass
         return WriteError(path, code, os.strerror(code), f"{type(err).__name__}: {str(err).splitlines()[0]}")
     return err
-
-
-as_write_error = _as_write_error  # public: callers that write through other libraries (accelerate) map errors too
 
 
 def _remove(path) -> None:
@@ -115,7 +116,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         _remove(tmp)
-        new = _as_write_error(err, path)
+        new = as_write_error(err, path)
         if new is err:
             raise
         raise new from err
@@ -164,35 +165,56 @@ class atomic_dir:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"))
         except OSError as err:
-            raise _as_write_error(err, self.path) from err
+            raise as_write_error(err, self.path) from err
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            new = _as_write_error(exc, self.path)
+            new = as_write_error(exc, self.path)
             if new is not exc:
                 raise new from exc
             return
-        old = moved = None
-        try:
-            os.chmod(self.tmp, _dir_mode())
-            if self.path.exists():
-                old = self.path.with_name(f".{self.path.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(self.path, old)
-                moved = old
-            os.replace(self.tmp, self.path)
-        except BaseException as err:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            if moved is not None and not self.path.exists():
-                try:  # put the previous directory back
-                    os.replace(moved, self.path)
-                except OSError:
-                    pass
-            new = _as_write_error(err, self.path)
-            if new is err:
-                raise
-            raise new from err
-        if old is not None:
+        commit_dir(self.tmp, self.path)
+
+
+def commit_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename the complete directory ``tmp`` to ``path`` (same folder), with the umask's mode.
+
+    An existing ``path`` is moved aside first and removed only after the rename; if the rename fails, ``tmp`` is
+    removed, the previous directory is put back, and a :class:`WriteError` naming ``path`` is raised. Used by
+    :class:`atomic_dir` and by callers whose temporary directory needs a fixed name (every data-parallel rank of
+    a checkpoint writes its shards into the same one).
+    """
+    tmp, path = Path(tmp), Path(path)
+    old = moved = None
+    try:
+        os.chmod(tmp, _dir_mode())
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            moved = old
+        os.replace(tmp, path)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if moved is not None and not path.exists():
+            try:  # put the previous directory back
+                os.replace(moved, path)
+            except OSError:
+                pass
+        new = as_write_error(err, path)
+        if new is err:
+            raise
+        raise new from err
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks (checkpoint manifests, the audit's file list)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import datetime
 import fcntl
-import hashlib
 import json
 import os
 import socket
 from pathlib import Path
+
+from crl.io import sha256_file
 
 __all__ = [
     "RunDirError", "RunDirLock", "file_manifest", "verify_checkpoint", "newest_intact_checkpoint",
@@ -75,14 +76,6 @@ class RunDirLock:
         self.release()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_manifest(directory: str | os.PathLike, exclude: tuple[str, ...] = ("meta.json",)) -> dict[str, dict]:
     """``{relative path: {"size", "sha256"}}`` of every file under ``directory`` (sorted, ``exclude`` left out)."""
     root = Path(directory)
@@ -90,7 +83,7 @@ def file_manifest(directory: str | os.PathLike, exclude: tuple[str, ...] = ("met
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
         if p.is_file() and rel not in exclude:
-            out[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            out[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
     return out
 
 
@@ -112,7 +105,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
             return f"{rel} is missing"
         if f.stat().st_size != want["size"]:
             return f"{rel} has {f.stat().st_size} bytes, the manifest says {want['size']}"
-        if _sha256(f) != want["sha256"]:
+        if sha256_file(f) != want["sha256"]:
             return f"{rel} does not match its SHA-256 in the manifest"
     return None
 

@@ -65,7 +65,6 @@ its ranks (segments of one rollout may sit on different ranks). Checks (names as
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import re
@@ -78,6 +77,7 @@ import numpy as np
 import torch
 
 from crl.episode import Provenance, SegmentKind, EpisodeStatus, load_episodes
+from crl.io import sha256_file
 
 TOLERANCE = 5e-5
 EVIDENCE_FILES = ("rollout.pt", "training.pt", "grad_norms.json", "meta.json")
@@ -97,14 +97,6 @@ WHITEN_EPS = 1e-8
 # ------------------------------------------------------------------------------------------------------------
 # small helpers
 # ------------------------------------------------------------------------------------------------------------
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def jsonable(x):
@@ -800,7 +792,7 @@ class Audit:
                 return
             try:
                 size = path.stat().st_size
-                entries.append({"path": rel, "role": role, "bytes": size, "sha256": sha256(path)})
+                entries.append({"path": rel, "role": role, "bytes": size, "sha256": sha256_file(path)})
                 if size == 0 and required:
                     problems.append(f"{rel} is empty")
             except OSError as err:
@@ -859,7 +851,7 @@ class Audit:
             "checks": [{"name": c.name, "status": "PASS" if c.passed else "FAIL", "measured": c.measured,
                         "detail": c.detail} for c in self.checks],
             "files": self.files,
-            "auditor": {"script": str(Path(__file__).resolve()), "sha256": sha256(Path(__file__))},
+            "auditor": {"script": str(Path(__file__).resolve()), "sha256": sha256_file(Path(__file__))},
         }
 
     @staticmethod
