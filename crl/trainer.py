@@ -52,7 +52,7 @@ from crl.collectors import CompactionCollector
 from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
 from crl.evidence import checkpoint_dir, write_evidence
-from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, current_umask
+from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, commit_dir
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, plan_forward, split_microbatches, split_rows
 from crl.modules.generation import SamplingParams, make_backend
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
@@ -346,19 +346,23 @@ class Trainer:
         batch["state_value"] = values[: batch.batch_size[0]] * batch["loss_mask"]
         return self.estimator(batch)
 
-    def split(self, td: TensorDict) -> list[TensorDict]:
-        """Exactly ``train.micro_batches`` micro-batches (the same count on every rank, as DeepSpeed needs)."""
+    def split(self, td: TensorDict, plan=None) -> list[TensorDict]:
+        """Exactly ``train.micro_batches`` micro-batches (the same count on every rank, as DeepSpeed needs).
+
+        ``plan``: ``td``'s :func:`~crl.learner.plan_forward`, when the caller already has it (prefix sharing only).
+        """
         L, n = self.cfg.learner, self.cfg.train.micro_batches
         if L.prefix_sharing:  # balanced by forward tokens; a prefix pair never splits
-            return split_microbatches(td, n, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
+            return split_microbatches(td, n, plan=plan, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
         return split_rows(td, n)
 
     def learner_metrics(self, batch: TensorDict) -> dict:
         """``perf/learner_tokens`` (positions through the actor for one pass over ``batch``, padding included),
         ``perf/unique_tokens`` (distinct (rollout, position) pairs the loss and the values need), ``perf/padding_frac``."""
         L = self.cfg.learner
-        mbs = self.split(batch)
-        unique = plan_forward(batch, max_padding=L.max_padding).unique_tokens
+        plan = plan_forward(batch, max_padding=L.max_padding)
+        mbs = self.split(batch, plan)
+        unique = plan.unique_tokens
         if L.prefix_sharing:
             processed = sum(plan_forward(mb, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens).learner_tokens for mb in mbs)
         else:
@@ -367,9 +371,10 @@ class Trainer:
                 "perf/padding_frac": 1.0 - unique / processed if processed else 0.0}
 
     def update_critic(self, batch: TensorDict) -> None:
-        """``train.critic_updates`` critic optimizer steps on the whole batch."""
+        """``train.critic_updates`` critic optimizer steps on the whole batch (split into micro-batches once)."""
+        mbs = self.split(batch)
         for _ in range(self.cfg.train.critic_updates):
-            self._optimizer_step("critic", batch)
+            self._optimizer_step("critic", mbs)
 
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
         """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
@@ -378,7 +383,7 @@ class Trainer:
         for _ in range(t.policy_epochs):
             perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(t.seed * 7919 + iteration))]
             for chunk in perm.tensor_split(t.policy_minibatches):
-                self._optimizer_step("actor", batch[torch.isin(batch["rollout_id"], chunk)])
+                self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]))
 
     def sync_policy_weights(self) -> None:
         """Give the sampler the updated policy (ZeRO-3: gather the partitioned weights; vLLM: push them)."""
@@ -406,8 +411,9 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------------------------------ optimizer steps
-    def _optimizer_step(self, name: str, td: TensorDict) -> None:
-        """One optimizer step of ``name`` ("actor" / "critic") on ``td``: backward per micro-batch, clip, step.
+    def _optimizer_step(self, name: str, mbs: list[TensorDict]) -> None:
+        """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`):
+        backward per micro-batch, clip, step.
 
         Every micro-batch's loss is its masked *sum* divided by the step's global token count (all micro-batches,
         all ranks), so the gradient does not depend on how the batch is split. Records the pre-clipping grad
@@ -417,7 +423,6 @@ class Trainer:
             "actor": (self.policy_loss, self.actor_model, self.actor_opt, "policy/"),
             "critic": (self.critic_loss, self.critic_model, self.critic_opt, "critic/"),
         }[name]
-        mbs = self.split(td)
         norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
         outs = []
         for mb in mbs:
@@ -532,9 +537,7 @@ class Trainer:
                 atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens})
                 atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": self.stage, "world_size": self.world,
                                                       "config": to_dict(self.cfg), "files": file_manifest(tmp)})
-                os.chmod(tmp, 0o777 & ~current_umask())
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
+                commit_dir(tmp, final)
         except BaseException as err:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
