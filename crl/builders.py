@@ -76,12 +76,6 @@ def build_tokenizer(cfg) -> TextCodec:
     return TextCodec(project.encode, project.decode, tok.convert_tokens_to_ids(EOS), len(tok))
 
 
-def prompt_format_name(cfg) -> str:
-    """``cfg.prompt.format`` (``plain`` | ``chat``); ``plain`` for configs without a ``prompt`` section."""
-    prompt = getattr(cfg, "prompt", None)
-    return getattr(prompt, "format", "plain") if prompt is not None else "plain"
-
-
 def build_prompt_format(cfg, codec: TextCodec):
     """The :class:`crl.chat.PromptFormat` of ``cfg.prompt.format`` for the run's tokenizer.
 
@@ -93,11 +87,8 @@ def build_prompt_format(cfg, codec: TextCodec):
     from crl.chat import ChatFormat, ChatTemplateError, PlainFormat, load_chat_tokenizer
     from crl.config import ConfigValidationError
 
-    name = prompt_format_name(cfg)
-    if name == "plain":
+    if cfg.prompt.format == "plain":  # the only other choice, "chat", is checked by crl.config
         return PlainFormat(codec.encode)
-    if name != "chat":
-        raise ConfigValidationError(f"prompt.format: {name!r} is not one of plain, chat")
     path = Path(cfg.model.preset)
     if not (path.is_dir() and (path / "tokenizer_config.json").exists()):
         raise ConfigValidationError(f"prompt.format: chat needs a local checkpoint with a chat template; model.preset={cfg.model.preset!r} is a preset with the project's word tokenizer (use plain)")

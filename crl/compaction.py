@@ -140,10 +140,7 @@ class CompactionEngine:
         prompt_format: PromptFormat | None = None,
     ):
         self.config = config
-        self.encode = lambda text: [int(t) for t in encode(text)]
         self.eos_id = eos_id
-        self.format_task = format_task
-        self.format_observation = format_observation
         self.prompt_format = prompt_format or PlainFormat(
             encode, system_prompt=system_prompt, summary_instruction=summary_instruction, resume_prefix=resume_prefix,
             resume_suffix=resume_suffix, format_task=format_task, format_observation=format_observation,
