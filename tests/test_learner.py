@@ -2,23 +2,20 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tensordict.nn import TensorDictModule
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the synthetic compaction layout is shared with the benchmark
 sys.path.insert(0, str(ROOT / "tests"))
-from bench_learner import collected_default_batch, split_rows, synthetic_batch, with_behaviour  # noqa: E402
+from _gloo import spawn_ranks  # noqa: E402
+from bench_learner import collected_default_batch, synthetic_batch, with_behaviour  # noqa: E402
 
 from crl.episode import SegmentKind, validate_episodes  # noqa: E402
 from crl.learner import (  # noqa: E402
@@ -27,6 +24,7 @@ from crl.learner import (  # noqa: E402
     learner_metrics,
     plan_forward,
     split_microbatches,
+    split_rows,
 )
 from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm  # noqa: E402
 from crl.modules.tokenizer import load_tokenizer  # noqa: E402
@@ -35,7 +33,6 @@ from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, make_normalize
 VOCAB = len(load_tokenizer())
 KEYS = ["tokens", "attention_mask"]
 WORLD = 2
-TIMEOUT_S = 180
 
 
 def make_lm(dtype=torch.float32, attn="eager"):
@@ -264,12 +261,6 @@ def test_loss_and_gradients_equal_naive_learner(collected, share_backbone, sourc
 
 
 # ------------------------------------------------------------------------------------------------ 2 gloo ranks
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dist_setup():
     lm = make_lm()
     critic = make_critic(lm)
@@ -310,19 +301,7 @@ def test_gradients_equal_naive_learner_on_two_gloo_ranks_with_ddp():
         pytest.skip("torch.distributed is not available")
     lm, critic, td = _dist_setup()
     _, ref = run_step(_losses(lm, critic, shared=False), split_rows(td, 2), {"actor": lm, "critic": critic})
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=False)
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the {WORLD} gloo ranks did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    results = spawn_ranks(_worker, WORLD)
     assert results[0]["calls"] != results[1]["calls"]  # the ranks really needed different numbers of forwards
     for res in results:
         assert set(res["grads"]) == set(ref)

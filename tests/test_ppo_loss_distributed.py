@@ -2,31 +2,21 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import tempfile
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the spawned ranks import the tiny models
+from _gloo import spawn_ranks  # noqa: E402
 from test_ppo_loss import make_batch, make_models, run_step, split_rows  # noqa: E402
 
 from crl.objectives import CompactionPPOLoss, make_normalizer  # noqa: E402
 
 WORLD = 2
-TIMEOUT_S = 180  # generous: spawning 2 ranks that import torchrl takes ~10 s idle, far more on a loaded box
 AGGREGATIONS = ("token_sum_global", "segment_mean")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _loss(aggregation):
@@ -84,19 +74,7 @@ def test_gradients_identical_on_two_gloo_ranks():
         for name in g4:
             torch.testing.assert_close(g4[name], expected[aggregation][name], rtol=0, atol=1e-6)
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=False)
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the {WORLD} gloo ranks did not finish within {TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:  # only the ranks this test spawned
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    results = spawn_ranks(_worker, WORLD)
 
     n_tokens = int(td["loss_mask"].sum())
     for res in results:
