@@ -13,12 +13,14 @@ from crl.envs import MemoryChainSuite, SequentialRecordsSuite
 from crl.prompts import EOS
 
 
-def build_suite(cfg, length: int | None = None):
-    """The task suite of ``cfg.env``; ``length`` overrides the difficulty (curriculum stages)."""
+def build_suite(cfg, stage=None):
+    """The task suite of ``cfg.env``, or of a curriculum ``stage`` (:class:`crl.config.CurriculumStage`: its
+    length and, for the memory chain, its forced compaction schedule)."""
     e = cfg.env
+    length = None if stage is None else stage.length
     if e.name == "memory_chain":
         n = e.length if length is None else length
-        schedule = e.compaction_steps if (e.compaction_steps is not None and length is None) else None
+        schedule = e.compaction_steps if stage is None else stage.compaction_steps  # None: derived from the length
         return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent, seed=e.seed, extra_steps=e.extra_steps, early_submit=e.early_submit)
     n = e.n_records if length is None else length
     return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, seed=e.seed, extra_steps=e.extra_steps, early_submit=e.early_submit)
@@ -40,9 +42,9 @@ def build_compaction_config(cfg, suite) -> CompactionConfig:
     )
 
 
-def stage_lengths(cfg) -> list[int | None]:
-    """Task lengths of the curriculum stages (``[None]``: the env's own length throughout)."""
-    return [s.length for s in cfg.train.curriculum] or [None]
+def curriculum_stages(cfg) -> list:
+    """The curriculum's :class:`crl.config.CurriculumStage` s in order (``[None]``: the env's own task throughout)."""
+    return list(cfg.train.curriculum) or [None]
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,8 @@ def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
     if prompt_format is None:
         prompt_format = build_prompt_format(cfg, codec)
     try:
-        for length in stage_lengths(cfg):
-            suite = build_suite(cfg, length)
+        for stage in curriculum_stages(cfg):
+            suite = build_suite(cfg, stage)
             engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=prompt_format)
             for split in ("train", "dev"):
                 engine.start(suite.tasks(split)[0].prompt)

@@ -106,6 +106,10 @@ class AlgoConfig:
 class CurriculumStage:
     length: int = 4  # memory chain length (or records per task) of this stage
     promote_at: float = 1.1  # move to the next stage when train success reaches this (> 1: never)
+    # memory chain only: the atomic steps after which this stage forces a compaction ([]: none, so the stage
+    # trains reading a visible fact); null: derived from the length (round(L/4), round(L/2), round(3L/4)).
+    # Staging the NUMBER of compactions (0 -> 1 -> 2 -> 3) is DESIGN §10's curriculum.
+    compaction_steps: Optional[list] = None
 
 
 @dataclass
@@ -302,6 +306,15 @@ def validate(cfg: Config) -> None:
     _need(t.policy_minibatches <= t.episodes_per_batch, "train.policy_minibatches", f"{t.policy_minibatches} minibatches cannot split {t.episodes_per_batch} episodes")
     for i, stage in enumerate(t.curriculum):
         _need(stage.length >= 1, f"train.curriculum[{i}].length", "must be >= 1")
+        steps = stage.compaction_steps
+        if steps is None:
+            continue
+        key = f"train.curriculum[{i}].compaction_steps"
+        _need(e.name == "memory_chain", key, f"a forced compaction schedule exists for memory_chain only, not {e.name} (remove the key)")
+        _need(all(isinstance(s, int) and not isinstance(s, bool) for s in steps) and list(steps) == sorted(set(steps)) and all(s >= 1 for s in steps),
+              key, f"must be strictly increasing positive integers, got {list(steps)}")
+        _need(not steps or steps[-1] <= stage.length + 1, key, f"step {steps[-1] if steps else 0} is after the last observation before the question (length {stage.length} + 1)")
+        _need(len(steps) <= c.max_compactions, key, f"{len(steps)} forced compactions exceed compaction.max_compactions={c.max_compactions}")
     _need(cfg.eval.every >= 0 and cfg.eval.episodes >= 1, "eval.every/episodes", "every >= 0 and episodes >= 1")
     _need(cfg.eval.temperature > 0, "eval.temperature", "must be > 0")
     _need(cfg.checkpoint.every >= 1 and cfg.checkpoint.keep_last >= 1, "checkpoint.every/keep_last", "must be >= 1")

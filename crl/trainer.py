@@ -47,7 +47,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from tqdm.auto import tqdm
 
-from crl.builders import build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, stage_lengths
+from crl.builders import build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, curriculum_stages
 from crl.collectors import CompactionCollector
 from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
@@ -162,7 +162,7 @@ class Trainer:
         self.lm = build_causal_lm(cfg.model.preset, vocab_size=self.codec.vocab_size, max_positions=C, eos_token_id=self.codec.eos_id, seed=cfg.train.seed)
         if getattr(self.lm.config, "max_position_embeddings", C) < C:
             raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's max_position_embeddings={self.lm.config.max_position_embeddings}")
-        self.lengths = stage_lengths(cfg)
+        self.stages = curriculum_stages(cfg)
         self.stage = 0
 
         # ---- the run directory: one writer, the newest intact checkpoint, the same config (crl/run_dir.py)
@@ -246,7 +246,7 @@ class Trainer:
         else:
             self.backend = make_backend(cfg.model.backend, model_path=cfg.model.preset)
         self.frozen_backend = make_backend("transformers", model=self.frozen_lm, seed=seed * 1000 + 500 + self.rank, device=self.device) if self.frozen_lm is not None else None
-        self.collector = self.make_collector("train", self.lengths[self.stage])
+        self.collector = self.make_collector("train", self.stages[self.stage])
 
         self.start_iteration = 0
         self._reset_step_log()  # fit() starts a fresh one each iteration
@@ -288,7 +288,7 @@ class Trainer:
         Demonstrations are scored under the full softmax (top_p=1): a likelihood of tokens outside a nucleus is -inf.
         """
         cfg, w = self.cfg, self.cfg.warm_start
-        suite = build_suite(cfg, self.lengths[0])
+        suite = build_suite(cfg, self.stages[-1])  # the target task: every compaction point the run will meet
         return warm_start(
             TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
             self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
@@ -296,10 +296,11 @@ class Trainer:
             device=next(self.lm.parameters()).device, prompt_format=self.prompt_format,
         )
 
-    def make_collector(self, split: str, length, *, evaluation: bool = False) -> CompactionCollector:
-        """A collector of ``split`` at task ``length``: training (sampled tasks) or evaluation (tasks in order, split across ranks)."""
+    def make_collector(self, split: str, stage, *, evaluation: bool = False) -> CompactionCollector:
+        """A collector of ``split`` on curriculum ``stage`` (None: the env's own task): training (sampled tasks) or
+        evaluation (tasks in order, split across ranks)."""
         cfg = self.cfg
-        suite = build_suite(cfg, length)
+        suite = build_suite(cfg, stage)
         return CompactionCollector(
             suite, split, self.backend, self.codec.encode, self.codec.decode, self.codec.eos_id, build_compaction_config(cfg, suite),
             episodes_per_batch=math.ceil(cfg.eval.episodes / self.world) if evaluation else cfg.train.episodes_per_batch,
@@ -315,7 +316,7 @@ class Trainer:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
         self.accelerator.load_state(str(checkpoint / "accelerate"))
         self.start_iteration, self.stage = state["iteration"] + 1, state["stage"]
-        self.collector = self.make_collector("train", self.lengths[self.stage])
+        self.collector = self.make_collector("train", self.stages[self.stage])
         self.collector.load_state_dict(state["collectors"][self.rank])
         if self.stage3:
             self._gather_generation_weights()
@@ -392,21 +393,27 @@ class Trainer:
         elif self.cfg.model.backend != "transformers":  # an external engine (vLLM) holds its own copy of the weights
             self.collector.update_policy_weights_(self.lm.state_dict())
 
-    def evaluate(self, length=None) -> float:
-        """Success rate on the dev split at task ``length`` (default: the final curriculum length), all ranks together."""
-        col = self.make_collector("dev", self.lengths[-1] if length is None else length, evaluation=True)
+    def evaluate(self, stage=None) -> float:
+        """Success rate on the dev split of curriculum ``stage`` (default: the final stage), all ranks together."""
+        col = self.make_collector("dev", self.stages[-1] if stage is None else stage, evaluation=True)
         self.actor_model.eval()
         col.collect()
         stats = reduce_stats(episode_stats(col.last_episodes), self.device)
         return stats["success"] / max(stats["episodes"], 1)
 
+    def stage_description(self) -> str:
+        """``length L`` (and, on the memory chain, ``compactions after [a, b]``) of the current curriculum stage."""
+        suite = build_suite(self.cfg, self.stages[self.stage])
+        steps = getattr(suite, "compaction_steps", None)
+        return f"length {self.stages[self.stage].length}" + ("" if steps is None else f", compactions after {list(steps)}")
+
     def advance_curriculum(self, train_success: float) -> bool:
         """Move to the next curriculum stage when ``train_success`` reaches its ``promote_at``; keeps episode counters."""
-        if self.stage + 1 >= len(self.lengths) or train_success < self.cfg.train.curriculum[self.stage].promote_at:
+        if self.stage + 1 >= len(self.stages) or train_success < self.cfg.train.curriculum[self.stage].promote_at:
             return False
         self.stage += 1
         counters = self.collector.state_dict()
-        self.collector = self.make_collector("train", self.lengths[self.stage])
+        self.collector = self.make_collector("train", self.stages[self.stage])
         self.collector.load_state_dict(counters)
         return True
 
@@ -578,7 +585,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ the loop
     def fit(self) -> None:
         """Train from ``start_iteration`` to ``train.iterations`` (see the module docstring)."""
-        cfg, lengths = self.cfg, self.lengths
+        cfg, stages = self.cfg, self.stages
         if self.finished:
             if self.is_main:
                 print(f"run {self.run_dir} is already complete ({self.resumed_from.name} is iteration "
@@ -590,7 +597,7 @@ class Trainer:
         try:
             if self.start_iteration == 0 and cfg.eval.every >= 0:
                 dev = self.evaluate()
-                self.logger.log({"dev/success": dev, "dev/success_stage": self.evaluate(lengths[self.stage]) if len(lengths) > 1 else dev, "curriculum/stage": self.stage}, step=0)
+                self.logger.log({"dev/success": dev, "dev/success_stage": self.evaluate(stages[self.stage]) if len(stages) > 1 else dev, "curriculum/stage": self.stage}, step=0)
             bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", initial=self.start_iteration,
                        total=cfg.train.iterations, disable=not (self.is_main and cfg.logging.progress))
             for it in bar:
@@ -609,12 +616,12 @@ class Trainer:
                 last = it == cfg.train.iterations - 1
                 if (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or last:
                     log["dev/success"] = self.evaluate()
-                    if len(lengths) > 1:
-                        log["dev/success_stage"] = self.evaluate(lengths[self.stage])
+                    if len(stages) > 1:
+                        log["dev/success_stage"] = self.evaluate(stages[self.stage])
                 self.logger.log(log, step=it + 1)
                 bar.set_postfix(success=f"{log['train/success']:.2f}", dev=f"{log.get('dev/success', float('nan')):.2f}")
                 if self.advance_curriculum(log["train/success"]) and self.is_main:  # before the checkpoint: a resumed run continues in the new stage
-                    tqdm.write(f"iteration {it + 1}: train success {log['train/success']:.2f} -> curriculum stage {self.stage} (length {lengths[self.stage]})")
+                    tqdm.write(f"iteration {it + 1}: train success {log['train/success']:.2f} -> curriculum stage {self.stage} ({self.stage_description()})")
 
                 evidence_now = (it + 1) % cfg.checkpoint.evidence_every == 0 or last
                 if evidence_now or (it + 1) % cfg.checkpoint.every == 0:

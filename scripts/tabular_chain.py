@@ -166,6 +166,7 @@ def main(argv=None) -> int:
                 "overrides": {k: (str(v) if k == "curriculum" else v) for k, v in tc.ARMS[arm].items()},
                 "accuracies": acc[arm],
                 "mean_accuracy": sum(acc[arm]) / len(acc[arm]),
+                "mean_iter0_dev_accuracy": sum(results[arm][s]["curve"][0][1] for s in seeds) / len(seeds),
                 "per_seed": {
                     str(s): {
                         "accuracy": results[arm][s]["accuracy"],
@@ -174,6 +175,7 @@ def main(argv=None) -> int:
                         "stage_starts": results[arm][s]["stage_starts"],
                         "summary_copies_code": results[arm][s]["summary_copies_code"],
                         "answer_reads_code": results[arm][s]["answer_reads_code"],
+                        "iter0_dev_accuracy": results[arm][s]["curve"][0][1],  # before any update: the shared start
                         "final_dev_accuracy": results[arm][s]["curve"][-1][1],
                         "wall_s": round(results[arm][s]["wall_s"], 1),
                     }

@@ -14,7 +14,7 @@ import pytest
 from crl.builders import build_compaction_config, build_suite
 from crl.collectors import play_oracle_episode
 from crl.compaction import CompactionEngine
-from crl.config import ConfigValidationError, load_config
+from crl.config import ConfigValidationError, CurriculumStage, load_config
 from crl.envs import MemoryChainSuite, SequentialRecordsSuite
 from crl.envs.base import EARLY_SUBMIT_FAILED
 from crl.episode import EpisodeStatus
@@ -151,7 +151,7 @@ def test_early_submit_config_key():
         load_config(None, ["env.early_submit=refuse"])
     cfg = load_config(None, ["env.early_submit=fail"])
     assert build_suite(cfg).early_submit == "fail"
-    assert build_suite(cfg, length=2).make_env(build_suite(cfg, length=2).tasks("dev")[0]).early_submit == "fail"
+    assert build_suite(cfg, CurriculumStage(length=2)).make_env(build_suite(cfg, CurriculumStage(length=2)).tasks("dev")[0]).early_submit == "fail"
     cfg = load_config(None, ["env.name=sequential_records", "env.early_submit=fail"])
     assert build_suite(cfg).make_env(build_suite(cfg).tasks("dev")[0]).early_submit == "fail"
 

@@ -236,4 +236,7 @@ def test_script_quick_writes_report(tmp_path, monkeypatch):
     assert report["verdict"] in ("PASS", "FAIL")
     assert {c["name"] for c in report["gate"]["criteria"]} == {"joint_mean", "joint_every_seed", "joint_minus_frozen"}
     assert set(report["arms"]) == {"joint", "frozen"} and "7" in report["arms"]["joint"]["per_seed"]
+    # a fair frozen arm: same starting policy, so the same iteration-0 accuracy as joint on the same seed
+    iter0 = [report["arms"][arm]["per_seed"]["7"]["iter0_dev_accuracy"] for arm in ("joint", "frozen")]
+    assert iter0[0] == iter0[1] and report["arms"]["frozen"]["mean_iter0_dev_accuracy"] == iter0[1]
     assert (tmp_path / "curves.png").stat().st_size > 1000

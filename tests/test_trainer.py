@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from crl.config import ConfigValidationError, load_config
-from crl.episode import load_episodes, validate_episodes
+from crl.episode import SegmentKind, load_episodes, validate_episodes
 from crl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +104,36 @@ def test_curriculum_promotes_and_evaluates_both_lengths(tmp_path):
     ev = load_episodes(tmp_path / "cur" / "evidence" / "iter_000001" / "rank_0" / "rollout.pt")
     # length 4 -> compactions after steps 1, 2, 3: at least 7 segments for an episode that runs to the end
     assert int(ev["segment_index"].max()) >= 4
+
+
+def test_curriculum_stages_the_number_of_compactions(tmp_path):
+    """``compaction_steps`` per stage: stage 0 forces none, stage 1 forces two; the dev split is the last stage's task
+    and the warm start plays it (so it meets every compaction point). Counts come from the episodes themselves."""
+    trainer = make(tmp_path / "cur", "train.iterations=2", "warm_start.steps=2", "checkpoint.evidence_every=1",
+                   "train.curriculum=[{length: 3, compaction_steps: [], promote_at: 0.0}, {length: 4, compaction_steps: [1, 3]}]")
+    assert trainer.collector.engine.config.forced_steps == ()
+    assert trainer.make_collector("dev", trainer.stages[-1], evaluation=True).engine.config.forced_steps == (1, 3)
+    trainer.fit()
+    assert trainer.stage == 1 and trainer.collector.engine.config.forced_steps == (1, 3)
+    for it, most in ((0, 0), (1, 2)):
+        ev = load_episodes(tmp_path / "cur" / "evidence" / f"iter_{it:06d}" / "rank_0" / "rollout.pt")
+        is_summary = ev["segment_kind"] == int(SegmentKind.SUMMARY)
+        per_rollout = [int(is_summary[ev["rollout_id"] == r].sum()) for r in ev["rollout_id"].unique()]
+        assert max(per_rollout) <= most, (it, per_rollout)
+        assert per_rollout and (most > 0 or max(per_rollout) == 0)
+
+
+@pytest.mark.parametrize("stage, match", [
+    ("{length: 4, compaction_steps: [2, 1]}", "strictly increasing"),
+    ("{length: 4, compaction_steps: [0]}", "strictly increasing"),
+    ("{length: 4, compaction_steps: [6]}", "before the question"),
+    ("{length: 8, compaction_steps: [1, 2, 3, 4]}", "max_compactions"),
+])
+def test_curriculum_compaction_steps_are_checked_at_load(stage, match):
+    with pytest.raises(ConfigValidationError, match=r"train\.curriculum\[0\]\.compaction_steps.*" + match):
+        load_config(ROOT / "configs" / "default.yaml", [f"train.curriculum=[{stage}]"])
+    with pytest.raises(ConfigValidationError, match="memory_chain only"):
+        load_config(ROOT / "configs" / "default.yaml", ["env.name=sequential_records", "train.curriculum=[{length: 4, compaction_steps: [2]}]"])
 
 
 def test_local_checkpoint_with_its_own_tokenizer(tmp_path):
