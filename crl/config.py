@@ -138,6 +138,9 @@ class WarmStartConfig:
     batch_episodes: int = 16
     lr: float = 3e-3
     summary_content: str = "random"  # random | untrained (see crl/warm_start.py): never the correct content
+    # a directory shared by runs (ablation arms of one seed): the warm-started weights are stored under a hash of
+    # everything they depend on and reused by the next run with the same inputs; null: always recompute
+    cache_dir: Optional[str] = None
 
 
 @dataclass

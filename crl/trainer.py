@@ -60,7 +60,7 @@ from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.objectives.distributed import all_reduce_sum
 from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 from crl.tracking import MetricLogger, plot_curves
-from crl.warm_start import warm_start
+from crl.warm_start import warm_start, warm_start_cached
 
 __all__ = ["Trainer", "make_accelerator"]
 
@@ -286,15 +286,27 @@ class Trainer:
         """Supervised protocol/format warm start of the policy (:mod:`crl.warm_start`); returns the last NLL.
 
         Demonstrations are scored under the full softmax (top_p=1): a likelihood of tokens outside a nucleus is -inf.
+        With ``warm_start.cache_dir`` the result (weights, logged lines, torch RNG state) is reused from
+        :func:`crl.warm_start.cached` when a run with the same inputs computed it, so the run continues exactly as
+        if it had computed it itself.
         """
         cfg, w = self.cfg, self.cfg.warm_start
         suite = build_suite(cfg, self.stages[-1])  # the target task: every compaction point the run will meet
-        return warm_start(
-            TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
-            self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
-            summary_content=w.summary_content, log=self.logger.log, progress=self.is_main and cfg.logging.progress,
-            device=next(self.lm.parameters()).device, prompt_format=self.prompt_format,
-        )
+
+        def compute(log):
+            return warm_start(
+                TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
+                self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
+                summary_content=w.summary_content, log=log, progress=self.is_main and cfg.logging.progress,
+                device=next(self.lm.parameters()).device, prompt_format=self.prompt_format,
+            )
+
+        if w.cache_dir is None:
+            return compute(self.logger.log)
+        inputs = {k: to_dict(cfg)[k] for k in ("model", "env", "compaction", "prompt")}
+        inputs.update(warm_start={k: v for k, v in to_dict(cfg)["warm_start"].items() if k != "cache_dir"}, seed=cfg.train.seed,
+                      task=None if self.stages[-1] is None else dataclasses.asdict(self.stages[-1]), vocab_size=self.codec.vocab_size)
+        return warm_start_cached(Path(w.cache_dir), inputs, self.lm, compute, self.logger.log, report=print if self.is_main else None)
 
     def make_collector(self, split: str, stage, *, evaluation: bool = False) -> CompactionCollector:
         """A collector of ``split`` on curriculum ``stage`` (None: the env's own task): training (sampled tasks) or

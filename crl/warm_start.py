@@ -21,7 +21,11 @@ Loss: mean negative log-likelihood over the demonstrations' optimized tokens (``
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
+import json
 import random
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,6 +36,7 @@ from tqdm.auto import tqdm
 from crl.collectors.scripted import play_oracle_episode
 from crl.compaction import CompactionConfig, CompactionEngine
 from crl.episode import EpisodeStatus, build_episode, concat_episodes
+from crl.io import as_write_error, atomic_dir
 
 
 FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format tokens from content tokens
@@ -123,3 +128,51 @@ def warm_start(
             log({"warm_start/nll": loss.item()}, step - steps)
     opt.zero_grad(set_to_none=True)
     return float(loss.detach())
+
+
+def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, compute: Callable, log: Callable[[dict, int], None],
+                      report: Callable[[str], None] | None = None) -> float:
+    """``compute(log)`` (a :func:`warm_start` of ``model``) at most once per distinct ``inputs``, across runs.
+
+    The ablation arms of one seed share everything the warm start reads (model, task, compaction, prompt,
+    warm-start settings, seed) and differ only in what happens after it, so a study computes each seed's warm
+    start once. The entry ``cache_dir/KEY`` (KEY = SHA-256 of ``inputs`` as sorted JSON) holds ``inputs.json``
+    (what the key stands for), ``state.pt`` (the weights, the last NLL and the torch CPU RNG state after the warm
+    start) and ``log.json`` (the ``(metrics, step)`` lines it logged). A hit loads the weights, restores the RNG
+    state and replays the lines into ``log``, so the run continues bit-identically to one that computed it
+    (tests/test_trainer.py). The entry is written atomically; an ``flock`` on ``cache_dir/KEY.lock`` makes a
+    concurrent run with the same key wait for the first instead of computing it too. Returns the last NLL.
+    """
+    blob = json.dumps(inputs, sort_keys=True, default=str)
+    key = hashlib.sha256(blob.encode()).hexdigest()[:20]
+    cache_dir, entry = Path(cache_dir), Path(cache_dir) / key
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(cache_dir / f"{key}.lock", "a")
+    except OSError as err:
+        raise as_write_error(err, cache_dir) from err
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if (entry / "state.pt").is_file() and (entry / "log.json").is_file():
+            device = next(model.parameters()).device
+            state = torch.load(entry / "state.pt", map_location=device, weights_only=True)
+            model.load_state_dict(state["weights"])
+            torch.set_rng_state(state["rng"].cpu())
+            for metrics, step in json.loads((entry / "log.json").read_text()):
+                log(metrics, step)
+            if report is not None:
+                report(f"warm start: reused {entry} (same model, task, warm-start settings and seed)")
+            return float(state["nll"])
+        lines = []
+
+        def record(metrics: dict, step: int) -> None:
+            lines.append((metrics, step))
+            log(metrics, step)
+
+        nll = compute(record)
+        with atomic_dir(entry) as tmp:
+            (tmp / "inputs.json").write_text(json.dumps(inputs, sort_keys=True, indent=1, default=str) + "\n")
+            weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            torch.save({"weights": weights, "nll": nll, "rng": torch.get_rng_state()}, tmp / "state.pt")
+            (tmp / "log.json").write_text(json.dumps(lines) + "\n")
+        return nll

@@ -123,6 +123,24 @@ def test_curriculum_stages_the_number_of_compactions(tmp_path):
         assert per_rollout and (most > 0 or max(per_rollout) == 0)
 
 
+def test_warm_start_cache_reuse_is_bit_identical(tmp_path, capsys):
+    """warm_start.cache_dir: a run with the same inputs loads an earlier run's warm start; the three runs (no cache,
+    cache miss, cache hit) log identical metrics. Another arm shares the entry; another seed is another entry."""
+    strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in recs]  # noqa: E731
+    cache = tmp_path / "cache"
+    entries = lambda: [p for p in cache.iterdir() if p.is_dir()]  # noqa: E731
+    for name, extra in {"plain": [], "miss": [f"warm_start.cache_dir={cache}"], "hit": [f"warm_start.cache_dir={cache}"]}.items():
+        make(tmp_path / name, "train.iterations=2", "warm_start.steps=3", *extra).fit()
+        assert ("warm start: reused" in capsys.readouterr().out) == (name == "hit")
+    ref = strip(metrics(tmp_path / "plain"))
+    assert any("warm_start/nll" in r for r in ref) and ref[-1]["step"] == 2
+    assert strip(metrics(tmp_path / "miss")) == ref and strip(metrics(tmp_path / "hit")) == ref
+    make(tmp_path / "arm", "train.iterations=1", "warm_start.steps=3", "algo.lambda_length=segment", f"warm_start.cache_dir={cache}").fit()
+    assert len(entries()) == 1  # the arm's algo setting is not a warm-start input
+    make(tmp_path / "seed1", "train.iterations=1", "warm_start.steps=3", "train.seed=1", f"warm_start.cache_dir={cache}").fit()
+    assert len(entries()) == 2
+
+
 @pytest.mark.parametrize("stage, match", [
     ("{length: 4, compaction_steps: [2, 1]}", "strictly increasing"),
     ("{length: 4, compaction_steps: [0]}", "strictly increasing"),
