@@ -291,11 +291,12 @@ class Trainer:
         if it had computed it itself.
         """
         cfg, w = self.cfg, self.cfg.warm_start
-        suite = build_suite(cfg, self.stages[-1])  # the target task: every compaction point the run will meet
+        suites = [build_suite(cfg, stage) for stage in self.stages]  # every stage: every compaction point the run meets
 
         def compute(log):
             return warm_start(
-                TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
+                TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]),
+                [(suite, build_compaction_config(cfg, suite)) for suite in suites],
                 self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
                 summary_content=w.summary_content, log=log, progress=self.is_main and cfg.logging.progress,
                 device=next(self.lm.parameters()).device, prompt_format=self.prompt_format,
@@ -305,7 +306,7 @@ class Trainer:
             return compute(self.logger.log)
         inputs = {k: to_dict(cfg)[k] for k in ("model", "env", "compaction", "prompt")}
         inputs.update(warm_start={k: v for k, v in to_dict(cfg)["warm_start"].items() if k != "cache_dir"}, seed=cfg.train.seed,
-                      task=None if self.stages[-1] is None else dataclasses.asdict(self.stages[-1]), vocab_size=self.codec.vocab_size)
+                      tasks=[None if stage is None else dataclasses.asdict(stage) for stage in self.stages], vocab_size=self.codec.vocab_size)
         return warm_start_cached(Path(w.cache_dir), inputs, self.lm, compute, self.logger.log, report=print if self.is_main else None)
 
     def make_collector(self, split: str, stage, *, evaluation: bool = False) -> CompactionCollector:

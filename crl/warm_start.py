@@ -81,10 +81,45 @@ def nll_loss(actor_module, batch: TensorDict) -> torch.Tensor:
     return -(out["log_prob"] * mask).sum() / mask.sum().clamp_min(1)
 
 
+def answer_probability(actor_module: TensorDictModule, suite, compaction: CompactionConfig, encode, eos_id: int, *,
+                       n_tasks: int = 40, prompt_format=None, device=None) -> float:
+    """Mean probability the policy gives the oracle's final action (``submit <answer>`` and its stop token) at
+    the end of an oracle episode of ``compaction`` on the first ``n_tasks`` dev tasks of ``suite``.
+
+    The episode resumes from the *correct* summary at every compaction, so with compaction this measures
+    whether the policy reads an answer from a summary in its context, and with ``max_compactions=0`` whether
+    it reads one from an observation it can still see — the protocol skills the warm start must teach (RL can
+    teach neither: with random summaries, reading them does not change the reward, and with an answer that
+    ignores the summary, writing the fact into it does not either). ``p = exp(Σ log π)`` over the final
+    action's tokens under teacher forcing; 1/n_facts is chance on the memory chain.
+    """
+    engine = CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format)
+    total, tasks = 0.0, suite.tasks("dev")[:n_tasks]
+    was_training = actor_module.training
+    actor_module.eval()
+    for task in tasks:
+        env = suite.make_env(task)
+        ctx = engine.start(env.reset())
+        oracle = lambda env, ctx: (list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id], True)  # noqa: E731
+        play_oracle_episode(env, ctx, encode, eos_id, oracle)
+        row = build_episode([ctx.segments()[-1]], 0, 0.0, EpisodeStatus.TRUNCATED)
+        mask = row["loss_mask"][0]
+        last = int(mask.nonzero().max())
+        first = last
+        while first > 0 and bool(mask[first - 1]):  # the final action: the last contiguous run of optimized tokens
+            first -= 1
+        if device is not None:
+            row = row.to(device)
+        with torch.no_grad():
+            lp = actor_module(row.select("tokens", "attention_mask"))["log_prob"][0]
+        total += float(lp[first : last + 1].sum().exp())
+    actor_module.train(was_training)
+    return total / max(len(tasks), 1)
+
+
 def warm_start(
     actor_module: TensorDictModule,
-    suite,
-    compaction: CompactionConfig,
+    stages,
     encode,
     eos_id: int,
     *,
@@ -100,15 +135,21 @@ def warm_start(
 ) -> float:
     """Adam on :func:`nll_loss` over fresh demonstrations each step (alternately with and without compaction).
 
-    Demonstrations are built on the CPU and moved to ``device`` (the actor's) for the forward.
+    ``stages``: ``[(suite, CompactionConfig), ...]`` (a run's curriculum stages); step ``k`` plays stage
+    ``(k // 2) mod len(stages)``, so every compaction point any stage has is demonstrated, at the cost of the
+    average stage. Demonstrations are built on the CPU and moved to ``device`` (the actor's) for the forward.
+    The last log line adds :func:`answer_probability` on the last stage, with compaction
+    (``warm_start/answer_p_summary``) and without (``warm_start/answer_p_visible``).
 
     Deterministic given ``seed``: every data-parallel rank computes the same weights. Returns the last loss.
     Gradients are cleared at the end so none leaks into the first PPO step. ``prompt_format``: the run's
     :class:`crl.chat.PromptFormat` (default: plain), so demonstrations are rendered like collected episodes.
     """
-    engines = [  # compaction-free demonstrations first: reading a visible fact is the easier skill
-        CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id, prompt_format=prompt_format),
-        CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format),
+    stages = list(stages)
+    engines = [  # per stage: compaction-free demonstrations first (reading a visible fact is the easier skill)
+        [CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id, prompt_format=prompt_format),
+         CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format)]
+        for _, compaction in stages
     ]
     params = [p for p in actor_module.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
@@ -116,7 +157,8 @@ def warm_start(
     loss = torch.tensor(float("nan"))
     bar = tqdm(range(steps), desc="warm start", disable=not progress)
     for step in bar:
-        batch = demonstration_batch(suite, engines[step % 2], encode, eos_id, batch_episodes, rng, summary_content)
+        i = (step // 2) % len(stages)
+        batch = demonstration_batch(stages[i][0], engines[i][step % 2], encode, eos_id, batch_episodes, rng, summary_content)
         if device is not None:
             batch = batch.to(device)
         loss = nll_loss(actor_module, batch)
@@ -124,9 +166,15 @@ def warm_start(
         loss.backward()
         opt.step()
         bar.set_postfix(nll=f"{loss.item():.3f}")
-        if log is not None and (step % 10 == 0 or step == steps - 1):
+        if log is not None and step % 10 == 0 and step != steps - 1:
             log({"warm_start/nll": loss.item()}, step - steps)
     opt.zero_grad(set_to_none=True)
+    if log is not None and steps > 0:
+        suite, compaction = stages[-1]
+        probe = dict(encode=encode, eos_id=eos_id, prompt_format=prompt_format, device=device)
+        log({"warm_start/nll": loss.item(),
+             "warm_start/answer_p_visible": answer_probability(actor_module, suite, dataclasses.replace(compaction, max_compactions=0, forced_steps=()), **probe),
+             "warm_start/answer_p_summary": answer_probability(actor_module, suite, compaction, **probe)}, -1)
     return float(loss.detach())
 
 

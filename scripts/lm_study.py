@@ -7,7 +7,8 @@
 Each arm is ``CONFIG_DIR/ARM.yaml`` (layered on ``base.yaml``). Each (arm, seed) runs as a ``scripts/train.py``
 subprocess with ``run_dir=DIR/runs/ARM_seedS train.seed=S`` (plus ``--set`` overrides and, with ``--quick``,
 :data:`QUICK`), at most ``--parallel`` at a time (default 2; one torch thread each), then ``scripts/audit.py`` on
-its run directory. Logs: ``DIR/logs/ARM_seedS.{train,audit}.log``; wall times: ``DIR/logs/ARM_seedS.json``.
+its run directory. The arms of one seed share its warm start (``warm_start.cache_dir=DIR/warm_start_cache``: computed
+by the first, loaded bit-identically by the others). Logs: ``DIR/logs/ARM_seedS.{train,audit}.log``; wall times: ``DIR/logs/ARM_seedS.json``.
 
 Resumable: rerun the same command. A finished run is recognised by the trainer itself (``scripts/train.py`` on
 a complete run directory prints "already complete" and exits 0); a killed one continues from its newest
@@ -109,7 +110,8 @@ class Study:
         return self.config_dir / f"{arm}.yaml"
 
     def run_overrides(self, arm: str, seed: int) -> list[str]:
-        return [f"run_dir={self.run_dir(arm, seed)}", f"train.seed={seed}", *self.overrides]
+        # one warm start per seed, shared by the arms (they differ only after it; crl.warm_start.warm_start_cached)
+        return [f"run_dir={self.run_dir(arm, seed)}", f"train.seed={seed}", f"warm_start.cache_dir={self.out / 'warm_start_cache'}", *self.overrides]
 
     def run_dir(self, arm: str, seed: int) -> Path:
         return self.out / "runs" / f"{arm}_seed{seed}"

@@ -1,6 +1,8 @@
 """Warm start: demonstrations teach protocol and summary format, never a summary's correct content."""
+import dataclasses
 import random
 
+import pytest
 import torch
 from tensordict.nn import TensorDictModule
 
@@ -43,7 +45,53 @@ def test_warm_start_lowers_the_protocol_loss_and_clears_gradients():
     lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
     actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
     logged = []
-    last = warm_start(actor, SUITE, CFG, encode, EOS_ID, steps=30, batch_episodes=4, lr=3e-3, seed=0,
+    last = warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=30, batch_episodes=4, lr=3e-3, seed=0,
                       log=lambda m, step: logged.append((step, m["warm_start/nll"])), progress=False)
     assert logged[0][0] == -30 and logged[0][1] > 3.0 and last < 0.6
     assert all(p.grad is None for p in lm.parameters())
+
+
+class _ConstantLogProb(torch.nn.Module):
+    """Every token gets log-prob ``c``: the probe's answer probability must be exp(c · tokens of the final action)."""
+
+    def __init__(self, c: float):
+        super().__init__()
+        self.c = c
+        self.seen = []
+
+    def forward(self, tokens, attention_mask):
+        self.seen.append(tokens)
+        lp = torch.full(tokens.shape, self.c)
+        return lp, torch.zeros(tokens.shape)
+
+
+def test_answer_probability_scores_exactly_the_final_action():
+    """``submit c <|end|>`` is 3 tokens: p = exp(3c), with and without compaction; the context the probe scores holds
+    the correct summary (compaction) or the fact itself (no compaction)."""
+    import math
+
+    from crl.warm_start import answer_probability
+
+    for compaction in (CFG, dataclasses.replace(CFG, max_compactions=0, forced_steps=())):
+        model = _ConstantLogProb(math.log(0.5))
+        actor = TensorDictModule(model, ["tokens", "attention_mask"], ["log_prob", "entropy"])
+        p = answer_probability(actor, SUITE, compaction, encode, EOS_ID, n_tasks=5)
+        assert p == pytest.approx(0.5 ** 3)
+        assert len(model.seen) == len(SUITE.tasks("dev")) == 2
+        for tokens, task in zip(model.seen, SUITE.tasks("dev")):
+            text = " ".join(TOK.convert_ids_to_tokens(tokens[0].tolist()))
+            assert f"submit {task.answer} {EOS}" in text  # the final action (then its observation)
+            if compaction is CFG:  # the fact was compacted away; the correct summary carries it
+                assert f"summary of earlier work : code {task.answer} " in text and "code is" not in text
+            else:
+                assert f"code is {task.answer}" in text
+
+
+def test_warm_start_logs_its_answer_probes():
+    lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+    actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    logged = []
+    warm_start(actor, [(SUITE, CFG), (SUITE, CFG)], encode, EOS_ID, steps=3, batch_episodes=2, lr=3e-3, seed=0,
+               log=lambda m, step: logged.append((step, m)), progress=False)
+    assert [s for s, _ in logged] == [-3, -1]
+    assert 0.0 < logged[-1][1]["warm_start/answer_p_visible"] < 1.0 and 0.0 < logged[-1][1]["warm_start/answer_p_summary"] < 1.0
