@@ -58,7 +58,7 @@ SEEDS = (7, 17, 29)
 #: Overrides of ``--quick``: a tiny task that still compacts 3 times, with enough warm start and episodes that
 #: some rewards are non-zero (the audit needs finite, non-zero actor grad norms; all-zero rewards give zero).
 QUICK = [
-    "env.length=4", "env.compaction_steps=[1,2,3]",
+    "env.length=4", "env.compaction_steps=[1,2,3]", "train.curriculum=[]",
     "train.iterations=2", "train.episodes_per_batch=16", "train.critic_warmup_iterations=0",
     "warm_start.steps=100", "warm_start.batch_episodes=8",
     "eval.episodes=8", "eval.every=1",
