@@ -317,7 +317,7 @@ class Trainer:
                 engine.step()
         try:
             return warm_start(
-                TensorDictModule(engine or net, list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
+                TensorDictModule(engine if engine is not None else net, list(MODEL_IN_KEYS), ["log_prob", "entropy"]), suite, build_compaction_config(cfg, suite),
                 self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
                 summary_content=w.summary_content, log=self.logger.log, progress=self.is_main and cfg.logging.progress,
                 device=self.device if self.stage3 else next(self.lm.parameters()).device, prompt_format=self.prompt_format, optimizer_step=step,
@@ -535,9 +535,12 @@ class Trainer:
             passes = 1 + len(self.step_log["grad_norms"]["critic"]) + (self.cfg.train.policy_epochs if self.step_log["grad_norms"]["actor"] else 0)
             log["perf/learner_tokens_per_s"] = passes * log["perf/learner_tokens"] / max(self.step_log["learner_s"], 1e-9)
         peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
+        low = peak.clone()
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
         log["perf/peak_memory_mb"] = float(peak)  # the largest peak of any rank
+        log["perf/peak_memory_mb_min_rank"] = float(low)  # the smallest (with 2 ranks: the other rank's peak)
         return log
 
     # ------------------------------------------------------------------------------------------ checkpoints, evidence
