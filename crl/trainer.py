@@ -324,6 +324,7 @@ class Trainer:
             )
         finally:
             if engine is not None:
+                engine.empty_partition_cache()  # re-partition what the last step left gathered (else every rank keeps it whole)
                 engine.destroy()  # removes its hooks; the partitioned weights stay with self.lm
                 del engine
                 gc.collect()
@@ -387,6 +388,7 @@ class Trainer:
             else:
                 values = torch.cat([self.critic(mb.select(*MODEL_IN_KEYS).clone())["state_value"] for mb in self.split(batch)])
         batch["state_value"] = values[: batch.batch_size[0]] * batch["loss_mask"]
+        self._release_gathered()
         return self.estimator(batch)
 
     def split(self, td: TensorDict, plan=None) -> list[TensorDict]:
@@ -418,6 +420,7 @@ class Trainer:
         mbs = self.split(batch)
         for _ in range(self.cfg.train.critic_updates):
             self._optimizer_step("critic", mbs)
+        self._release_gathered()
 
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
         """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
@@ -427,6 +430,7 @@ class Trainer:
             perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(t.seed * 7919 + iteration))]
             for chunk in perm.tensor_split(t.policy_minibatches):
                 self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]))
+        self._release_gathered()
 
     def sync_policy_weights(self) -> None:
         """Give the sampler the updated policy (vLLM: push the weights; ZeRO-3 samples through the engine itself)."""
@@ -499,6 +503,14 @@ class Trainer:
         episodes ended early makes dummy forwards until every rank has finished (crl.modules.zero3)."""
         if isinstance(self.gen_lm, LockstepEngineLM):
             self.gen_lm.drain()
+        self._release_gathered()
+
+    def _release_gathered(self) -> None:
+        """ZeRO-3 keeps parameters it expects to reuse soon gathered after a forward/backward; between phases nothing
+        is reused soon, so give them back (``empty_partition_cache``: every parameter back to its partition)."""
+        if self.stage3:
+            self.actor_model.empty_partition_cache()
+            self.critic_model.empty_partition_cache()
 
     # ------------------------------------------------------------------------------------------ metrics
     def iteration_metrics(self, batch: TensorDict, t0: float) -> dict:
