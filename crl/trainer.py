@@ -24,8 +24,10 @@ runs the warm start (or resumes from the newest checkpoint) and the collectors. 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -56,6 +58,7 @@ from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, plan_forward, split_microbatches, split_rows
 from crl.modules.generation import SamplingParams, make_backend
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
+from crl.modules.zero3 import LockstepEngineLM, copy_parameters_, zero3_init
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.objectives.distributed import all_reduce_sum
 from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
@@ -89,8 +92,9 @@ def make_accelerator(cfg: Config):
     ds["gradient_accumulation_steps"] = cfg.train.micro_batches  # we call backward+step per micro-batch
     ds["gradient_clipping"] = cfg.train.max_grad_norm
     ds.setdefault("bf16", {"enabled": bf16})  # actor and critic engines in bf16 on GPUs (the JSON may override)
-    # zero3_init_flag=False: build full weights on every rank (warm start and the critic's copy of the actor
-    # need them); ZeRO-3 partitions them at prepare(). Models too large for one rank need zero.Init instead.
+    # zero3_init_flag=False: accelerate would register the config with transformers for the whole process. Under
+    # ZeRO-3 the trainer builds the actor and the critic under zero.Init itself, exactly around their construction
+    # (crl.modules.zero3.zero3_init), so no rank ever holds a full model.
     plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds), zero3_init_flag=False) for name in ("actor", "critic")}
     accelerator = Accelerator(deepspeed_plugins=plugins)
     from transformers.integrations import unset_hf_deepspeed_config
@@ -143,6 +147,8 @@ class Trainer:
         self.accelerator, self.ds_config = make_accelerator(cfg)
         self.use_ds = self.ds_config is not None
         self.stage3 = self.use_ds and self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+        if self.stage3 and cfg.warm_start.cache_dir is not None:  # an entry holds full weights, not ZeRO-3 partitions
+            raise ConfigValidationError("warm_start.cache_dir is not supported under DeepSpeed ZeRO-3 (partitioned weights); set it to null")
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         if torch.distributed.is_initialized():  # accelerate reports 1 process for DeepSpeed on CPU (DESIGN §9)
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -150,6 +156,9 @@ class Trainer:
         self.device = self.accelerator.device  # every tensor the trainer makes lives here (models, batches, collectives)
         if self.use_ds and cfg.model.share_critic_backbone:
             raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed (two engines cannot share parameters)")
+        if self.stage3 and cfg.model.backend != "transformers":
+            raise ConfigValidationError(f"model.backend={cfg.model.backend} cannot be used with ZeRO-3: the actor's weights are partitioned "
+                                        "and the trainer samples through the engine (model.backend=transformers)")
         torch.set_num_threads(cfg.train.threads)
         self.run_dir = Path(cfg.run_dir)
 
@@ -159,7 +168,9 @@ class Trainer:
         check_budgets(cfg, self.codec, self.prompt_format)
         C = cfg.compaction.context_capacity
         torch.manual_seed(cfg.train.seed)
-        self.lm = build_causal_lm(cfg.model.preset, vocab_size=self.codec.vocab_size, max_positions=C, eos_token_id=self.codec.eos_id, seed=cfg.train.seed)
+        # ZeRO-3: built partitioned (zero.Init), a checkpoint loaded one module at a time (crl/modules/zero3.py)
+        with zero3_init(self.ds_config) if self.stage3 else contextlib.nullcontext():
+            self.lm = build_causal_lm(cfg.model.preset, vocab_size=self.codec.vocab_size, max_positions=C, eos_token_id=self.codec.eos_id, seed=cfg.train.seed)
         if getattr(self.lm.config, "max_position_embeddings", C) < C:
             raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's max_position_embeddings={self.lm.config.max_position_embeddings}")
         self.stages = curriculum_stages(cfg)
@@ -196,17 +207,17 @@ class Trainer:
                                    run_id=self._wandb_run_id(fresh=resume_from is None))
 
         # ---- policy (warm-started), critic (initialised from the policy: the paper's init), optimizers, engines
-        self.lm.to(self.device)  # warm start, the critic's copy and the frozen copy are made on the device
+        if not self.stage3:  # zero.Init already placed the partitions on the device
+            self.lm.to(self.device)  # warm start, the critic's copy and the frozen copy are made on the device
         actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p)  # the sampler's distribution
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             self.warm_start()
-        critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone, head_init=cfg.model.value_head_init, seed=cfg.train.seed)
+        critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
+                                           zero3_config=self.ds_config if self.stage3 else None)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(actor_net)
             enable_gradient_checkpointing(critic_net)
-        self.frozen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device) if cfg.algo.frozen_summary else None
-        # what the collector samples from: ZeRO-3 partitions the actor, so sampling uses a gathered plain copy
-        self.gen_lm = copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device) if self.stage3 else self.lm
+        self.frozen_lm = self._frozen_copy() if cfg.algo.frozen_summary else None
         t = cfg.train
         actor_opt = torch.optim.Adam(actor_net.parameters(), lr=t.actor_lr, weight_decay=t.weight_decay)
         critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
@@ -217,6 +228,8 @@ class Trainer:
             self.critic_model, self.critic_opt = self.accelerator.prepare(critic_net, critic_opt)
         else:
             self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = self.accelerator.prepare(actor_net, critic_net, actor_opt, critic_opt)
+        # what the collector samples from: ZeRO-3 samples through the partitioned engine (no full copy anywhere)
+        self.gen_lm = LockstepEngineLM(self.actor_model, self.device) if self.stage3 else self.lm
         L = cfg.learner
         if L.prefix_sharing:  # each token computed once: crl/learner.py
             shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
@@ -287,20 +300,42 @@ class Trainer:
 
         Demonstrations are scored under the full softmax (top_p=1): a likelihood of tokens outside a nucleus is -inf.
         With ``warm_start.cache_dir`` the result (weights, logged lines, torch RNG state) is reused from
-        :func:`crl.warm_start.cached` when a run with the same inputs computed it, so the run continues exactly as
+        :func:`crl.warm_start.warm_start_cached` when a run with the same inputs computed it, so the run continues exactly as
         if it had computed it itself.
         """
         cfg, w = self.cfg, self.cfg.warm_start
         suites = [build_suite(cfg, stage) for stage in self.stages]  # every stage: every compaction point the run meets
 
         def compute(log):
-            return warm_start(
-                TensorDictModule(CausalLMLogProbs(self.lm, cfg.model.temperature), list(MODEL_IN_KEYS), ["log_prob", "entropy"]),
-                [(suite, build_compaction_config(cfg, suite)) for suite in suites],
-                self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
-                summary_content=w.summary_content, log=log, progress=self.is_main and cfg.logging.progress,
-                device=next(self.lm.parameters()).device, prompt_format=self.prompt_format,
-            )
+            net, engine, step = CausalLMLogProbs(self.lm, cfg.model.temperature), None, None
+            if self.stage3:
+                # The weights are partitioned: train them through a DeepSpeed engine of their own, built for the warm
+                # start's update (Adam at warm_start.lr, no clipping, one micro-batch per step) and destroyed after it, so
+                # the actor engine's optimizer starts fresh as on one process. Every rank plays the same demonstrations
+                # and DeepSpeed averages the gradients over ranks: the update of the full-weight warm start.
+                import deepspeed
+
+                ds = {**copy.deepcopy(self.ds_config), "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
+                opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=w.lr)
+                engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=ds)
+
+                def step(loss):
+                    engine.backward(loss)
+                    engine.step()
+            try:
+                return warm_start(
+                    TensorDictModule(engine if engine is not None else net, list(MODEL_IN_KEYS), ["log_prob", "entropy"]),
+                    [(suite, build_compaction_config(cfg, suite)) for suite in suites],
+                    self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
+                    summary_content=w.summary_content, log=log, progress=self.is_main and cfg.logging.progress,
+                    device=self.device if self.stage3 else next(self.lm.parameters()).device, prompt_format=self.prompt_format, optimizer_step=step,
+                )
+            finally:
+                if engine is not None:
+                    engine.empty_partition_cache()  # re-partition what the last step left gathered (else every rank keeps it whole)
+                    engine.destroy()  # removes its hooks; the partitioned weights stay with self.lm
+                    del engine
+                    gc.collect()
 
         if w.cache_dir is None:
             return compute(self.logger.log)
@@ -308,6 +343,18 @@ class Trainer:
         inputs.update(warm_start={k: v for k, v in to_dict(cfg)["warm_start"].items() if k != "cache_dir"}, seed=cfg.train.seed,
                       tasks=[None if stage is None else dataclasses.asdict(stage) for stage in self.stages], vocab_size=self.codec.vocab_size)
         return warm_start_cached(Path(w.cache_dir), inputs, self.lm, compute, self.logger.log, report=print if self.is_main else None)
+
+    def _frozen_copy(self):
+        """The frozen-summary policy: a plain copy of the (warm-started) actor. Under ZeRO-3 it is filled one
+        module at a time from the partitioned actor, but it is a full plain model on every rank (the frozen
+        sampler does not run through an engine)."""
+        if not self.stage3:
+            return copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device)
+        from transformers import AutoModelForCausalLM
+
+        frozen = AutoModelForCausalLM.from_config(self.lm.config).to(self.device)
+        copy_parameters_(frozen, self.lm)
+        return frozen.eval().requires_grad_(False)
 
     def make_collector(self, split: str, stage, *, evaluation: bool = False) -> CompactionCollector:
         """A collector of ``split`` on curriculum ``stage`` (None: the env's own task): training (sampled tasks) or
@@ -331,8 +378,6 @@ class Trainer:
         self.start_iteration, self.stage = state["iteration"] + 1, state["stage"]
         self.collector = self.make_collector("train", self.stages[self.stage])
         self.collector.load_state_dict(state["collectors"][self.rank])
-        if self.stage3:
-            self._gather_generation_weights()
         self.backend.generator.set_state(state["generators"][self.rank]["policy"])
         if self.frozen_backend is not None:
             self.frozen_backend.generator.set_state(state["generators"][self.rank]["frozen"])
@@ -345,6 +390,7 @@ class Trainer:
         """Play one batch of training episodes with the current weights; ``self.last_episode_stats`` = counts over all ranks."""
         self.actor_model.eval()
         rollout = self.collector.collect().to(self.device)
+        self._finish_generation()
         self.actor_model.train()
         self.last_episode_stats = reduce_stats(episode_stats(self.collector.last_episodes), self.device)
         return rollout
@@ -358,6 +404,7 @@ class Trainer:
             else:
                 values = torch.cat([self.critic(mb.select(*MODEL_IN_KEYS).clone())["state_value"] for mb in self.split(batch)])
         batch["state_value"] = values[: batch.batch_size[0]] * batch["loss_mask"]
+        self._release_gathered()
         return self.estimator(batch)
 
     def split(self, td: TensorDict, plan=None) -> list[TensorDict]:
@@ -389,6 +436,7 @@ class Trainer:
         mbs = self.split(batch)
         for _ in range(self.cfg.train.critic_updates):
             self._optimizer_step("critic", mbs)
+        self._release_gathered()
 
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
         """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
@@ -398,12 +446,11 @@ class Trainer:
             perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(t.seed * 7919 + iteration))]
             for chunk in perm.tensor_split(t.policy_minibatches):
                 self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]))
+        self._release_gathered()
 
     def sync_policy_weights(self) -> None:
-        """Give the sampler the updated policy (ZeRO-3: gather the partitioned weights; vLLM: push them)."""
-        if self.stage3:
-            self._gather_generation_weights()
-        elif self.cfg.model.backend != "transformers":  # an external engine (vLLM) holds its own copy of the weights
+        """Give the sampler the updated policy (vLLM: push the weights; ZeRO-3 samples through the engine itself)."""
+        if self.cfg.model.backend != "transformers" and not self.stage3:  # an external engine (vLLM) holds its own copy of the weights
             self.collector.update_policy_weights_(self.lm.state_dict())
 
     def evaluate(self, stage=None) -> float:
@@ -411,6 +458,7 @@ class Trainer:
         col = self.make_collector("dev", self.stages[-1] if stage is None else stage, evaluation=True)
         self.actor_model.eval()
         col.collect()
+        self._finish_generation()
         stats = reduce_stats(episode_stats(col.last_episodes), self.device)
         return stats["success"] / max(stats["episodes"], 1)
 
@@ -472,15 +520,19 @@ class Trainer:
         """``step_log``: the grad norms, normalizers and loss metrics of the optimizer steps since the reset."""
         self.step_log = {"grad_norms": {"actor": [], "critic": []}, "normalizers": {"actor": [], "critic": []}, "metrics": {}}
 
-    def _gather_generation_weights(self) -> None:
-        """ZeRO-3 partitions the actor's parameters: gather them (one collective, every rank at once) into the
-        plain copy the generation backend samples from. Sampling through the engine itself would make every
-        rank run the same number of forwards, which episodes of different lengths do not."""
-        import deepspeed
+    def _finish_generation(self) -> None:
+        """ZeRO-3: sampling runs through the partitioned engine, whose forwards are collectives; a rank whose
+        episodes ended early makes dummy forwards until every rank has finished (crl.modules.zero3)."""
+        if isinstance(self.gen_lm, LockstepEngineLM):
+            self.gen_lm.drain()
+        self._release_gathered()
 
-        engine = self.actor_model
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-            self.gen_lm.load_state_dict({k.removeprefix("lm."): v for k, v in engine.module.state_dict().items()})
+    def _release_gathered(self) -> None:
+        """ZeRO-3 keeps parameters it expects to reuse soon gathered after a forward/backward; between phases nothing
+        is reused soon, so give them back (``empty_partition_cache``: every parameter back to its partition)."""
+        if self.stage3:
+            self.actor_model.empty_partition_cache()
+            self.critic_model.empty_partition_cache()
 
     # ------------------------------------------------------------------------------------------ metrics
     def iteration_metrics(self, batch: TensorDict, t0: float) -> dict:
@@ -517,9 +569,12 @@ class Trainer:
             passes = 1 + len(self.step_log["grad_norms"]["critic"]) + (self.cfg.train.policy_epochs if self.step_log["grad_norms"]["actor"] else 0)
             log["perf/learner_tokens_per_s"] = passes * log["perf/learner_tokens"] / max(self.step_log["learner_s"], 1e-9)
         peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
+        low = peak.clone()
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
         log["perf/peak_memory_mb"] = float(peak)  # the largest peak of any rank
+        log["perf/peak_memory_mb_min_rank"] = float(low)  # the smallest (with 2 ranks: the other rank's peak)
         return log
 
     # ------------------------------------------------------------------------------------------ checkpoints, evidence

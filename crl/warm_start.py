@@ -132,6 +132,7 @@ def warm_start(
     progress: bool = True,
     device: torch.device | str | None = None,
     prompt_format=None,
+    optimizer_step: Callable[[torch.Tensor], None] | None = None,
 ) -> float:
     """Adam on :func:`nll_loss` over fresh demonstrations each step (alternately with and without compaction).
 
@@ -144,6 +145,9 @@ def warm_start(
     Deterministic given ``seed``: every data-parallel rank computes the same weights. Returns the last loss.
     Gradients are cleared at the end so none leaks into the first PPO step. ``prompt_format``: the run's
     :class:`crl.chat.PromptFormat` (default: plain), so demonstrations are rendered like collected episodes.
+    ``optimizer_step``: backward and step of ``loss`` done by the caller (a DeepSpeed ZeRO-3 engine with an Adam of
+    learning rate ``lr``, no clipping, one micro-batch per step: the same update on partitioned weights) instead of
+    a local ``torch.optim.Adam``.
     """
     stages = list(stages)
     engines = [  # per stage: compaction-free demonstrations first (reading a visible fact is the easier skill)
@@ -151,8 +155,9 @@ def warm_start(
          CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format)]
         for _, compaction in stages
     ]
-    params = [p for p in actor_module.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr)
+    opt = None
+    if optimizer_step is None:
+        opt = torch.optim.Adam([p for p in actor_module.parameters() if p.requires_grad], lr=lr)
     rng = random.Random(seed)
     loss = torch.tensor(float("nan"))
     bar = tqdm(range(steps), desc="warm start", disable=not progress)
@@ -162,13 +167,17 @@ def warm_start(
         if device is not None:
             batch = batch.to(device)
         loss = nll_loss(actor_module, batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        if opt is None:
+            optimizer_step(loss)
+        else:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
         bar.set_postfix(nll=f"{loss.item():.3f}")
         if log is not None and step % 10 == 0 and step != steps - 1:
             log({"warm_start/nll": loss.item()}, step - steps)
-    opt.zero_grad(set_to_none=True)
+    if opt is not None:
+        opt.zero_grad(set_to_none=True)
     if log is not None and steps > 0:
         suite, compaction = stages[-1]
         probe = dict(encode=encode, eos_id=eos_id, prompt_format=prompt_format, device=device)

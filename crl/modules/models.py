@@ -80,6 +80,9 @@ class CausalLMLogProbs(nn.Module):
     a sampled token may fall outside; their log-prob is reported as :attr:`OUTSIDE_TOP_P_LOG_PROB` (-100,
     ``exp`` = 4e-44: a ratio of 0 for PPO) instead of ``-inf``, so masked arithmetic and gradients stay finite.
     Warm starts (teacher-forced NLL) should use ``top_p=1``.
+
+    ``forward(..., lm_kwargs={...})`` instead returns the LM's raw output for those keyword arguments (generation
+    with a KV cache): :class:`crl.modules.zero3.LockstepEngineLM` samples through a ZeRO-3 engine this way.
     """
 
     OUTSIDE_TOP_P_LOG_PROB = -100.0
@@ -96,7 +99,9 @@ class CausalLMLogProbs(nn.Module):
         self.top_p = top_p
         self._params = SamplingParams(temperature=temperature, top_p=top_p)
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None):
+        if lm_kwargs is not None:  # generation through this module (a ZeRO-3 engine's hooks start at its forward)
+            return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
         out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
         if self.top_p == 1:  # fast path: never materialises [B, T, V] log-probs (see chunked_log_probs)
@@ -165,10 +170,27 @@ class ValueModel(nn.Module):
                 self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
 
     @classmethod
-    def from_actor(cls, lm: nn.Module, share_backbone: bool = False, head_init: str = "zero", seed: int = 0) -> "ValueModel":
-        """Critic initialised from the actor's weights (the paper's choice), or sharing its backbone."""
+    def from_actor(cls, lm: nn.Module, share_backbone: bool = False, head_init: str = "zero", seed: int = 0,
+                   zero3_config: dict | None = None) -> "ValueModel":
+        """Critic initialised from the actor's weights (the paper's choice), or sharing its backbone.
+
+        ``zero3_config`` (a DeepSpeed config of stage 3; ``lm`` built under ``zero.Init``): the backbone is built
+        partitioned from the actor's config and its weights are copied one module at a time
+        (:func:`crl.modules.zero3.copy_parameters_`); a ``deepcopy`` of partitioned parameters is not a model.
+        """
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-        return cls(backbone if share_backbone else copy.deepcopy(backbone), lm.config.hidden_size, head_init, seed)
+        if share_backbone:
+            return cls(backbone, lm.config.hidden_size, head_init, seed)
+        if zero3_config is None:
+            return cls(copy.deepcopy(backbone), lm.config.hidden_size, head_init, seed)
+        from transformers import AutoModel
+
+        from crl.modules.zero3 import copy_parameters_, zero3_init
+
+        with zero3_init(zero3_config):
+            fresh = AutoModel.from_config(backbone.config)
+        copy_parameters_(fresh, backbone)
+        return cls(fresh, lm.config.hidden_size, head_init, seed)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         attention_mask = attention_mask.long()
