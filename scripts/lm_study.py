@@ -34,6 +34,7 @@ every audit passed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -206,7 +207,7 @@ class Study:
             "forced_compactions": len(e.compaction_steps) if e.compaction_steps is not None else None,
             "keep_recent": c.keep_recent, "early_submit": e.early_submit, "chance": 1 / e.n_facts,
             "dev_episodes": first.eval.episodes, "model": first.model.preset, "iterations": first.train.iterations,
-            "curriculum": [[s.length, s.promote_at] for s in first.train.curriculum], "quick": self.args.quick,
+            "curriculum": [dataclasses.asdict(s) for s in first.train.curriculum], "quick": self.args.quick,
         }
         arms, comp_max, comp_means = {}, [], []
         for arm in self.args.arms:
