@@ -26,7 +26,9 @@ and ``DIR/curves.png`` (dev success vs iteration: mean and min–max band over s
 metrics: the per-iteration mean, maximum over iterations and runs, rounded); ``compactions_per_episode_mean``
 is the mean over every training iteration of every run. ``wall_s`` is this invocation's wall time; each seed's
 ``train_wall_s`` is the time of the invocation that trained it. Exit status 0 only when every run trained and
-every audit passed.
+every audit passed. ``--report-only`` trains nothing: it reports the (arm, seed) runs that finished (auditing
+them if needed) and marks the others ``"audit": "NOT RUN"`` with no curve (exit status 1), for a study cut short
+by its time budget.
 
 ``--quick`` is a seconds-long smoke run (a 4-step chain with 3 compactions, 2 iterations, a short warm start,
 8 dev episodes); the tests use it. Its numbers say nothing about learning.
@@ -164,6 +166,17 @@ class Study:
             f"{' (reused)' if reused else f' in {audit_s:.0f} s'}, wall {time.perf_counter() - t0:.0f} s")
         return {"audit": verdict, **timing}
 
+    def existing(self, arm: str, seed: int, iterations: int) -> dict:
+        """``--report-only``: a run that reached ``iterations`` is audited (or its audit reused); any other is NOT RUN."""
+        run_dir, logs = self.run_dir(arm, seed), self.log_base(arm, seed)
+        if self.read_run(run_dir)["final_iteration"] != iterations:
+            say(f"not run: {arm} seed {seed} (no finished run in {run_dir})")
+            return {"audit": "NOT RUN", "not_run": True}
+        logs.parent.mkdir(parents=True, exist_ok=True)
+        timing_file = logs.with_suffix(".json")
+        timing = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
+        return {"audit": self.audit(run_dir, logs)[0], **timing}
+
     def audit(self, run_dir: Path, logs: Path) -> tuple[str, float, bool]:
         audit_json, metrics = run_dir / "audit.json", run_dir / "metrics.jsonl"
         if audit_json.is_file() and metrics.is_file() and audit_json.stat().st_mtime >= metrics.stat().st_mtime:
@@ -215,6 +228,8 @@ class Study:
             seeds = {}
             for seed in self.args.seeds:
                 run = self.read_run(self.run_dir(arm, seed))
+                if results.get((arm, seed), {}).get("not_run"):  # a partial curve is not a result
+                    run = {k: ([] if k == "curve" else None) for k in run}
                 if run["compactions_max"] is not None:
                     comp_max.append(run["compactions_max"])
                     comp_means.append(run["compactions_mean"])
@@ -279,13 +294,16 @@ class Study:
         self.out.mkdir(parents=True, exist_ok=True)
         say(f"{len(self.jobs)} runs ({', '.join(self.args.arms)} x seeds {' '.join(map(str, self.args.seeds))}), "
             f"{self.args.parallel} in parallel{', quick' if self.args.quick else ''}; out {self.out}")
-        with ThreadPoolExecutor(max_workers=self.args.parallel) as pool:
-            futures = {job: pool.submit(self.run_one, *job) for job in self.jobs}
-            results = {job: f.result() for job, f in futures.items()}
+        if self.args.report_only:  # a study cut short by its budget: report what finished, train nothing
+            results = {(arm, seed): self.existing(arm, seed, cfgs[arm].train.iterations) for arm, seed in self.jobs}
+        else:
+            with ThreadPoolExecutor(max_workers=self.args.parallel) as pool:
+                futures = {job: pool.submit(self.run_one, *job) for job in self.jobs}
+                results = {job: f.result() for job, f in futures.items()}
         report = self.report(cfgs, results, time.perf_counter() - t0)
         atomic_write_json(self.out / "report.json", report)
         self.plot(report, self.out / "curves.png")
-        ok = all(r.get("audit") == "PASS" and "error" not in r for r in results.values())
+        ok = all(r.get("audit") == "PASS" and "error" not in r and not r.get("not_run") for r in results.values())
         for arm, a in report["arms"].items():
             s = a["summary"]
             fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
@@ -305,6 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2; each uses one thread)")
     ap.add_argument("--config-dir", default=str(ROOT / "configs" / "study"), help="where ARM.yaml and base.yaml live")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run (after --quick's)")
+    ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
     args = ap.parse_args(argv)
     if args.parallel < 1:
         ap.error("--parallel must be >= 1")

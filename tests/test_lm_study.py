@@ -229,3 +229,13 @@ def test_lm_study_quick_report_and_resume(tmp_path):
     for arm in ("joint", "frozen"):  # the same results, the first invocation's training time kept
         a, b = report["arms"][arm]["seeds"]["7"], report2["arms"][arm]["seeds"]["7"]
         assert b["curve"] == a["curve"] and b["audit"] == "PASS" and b["train_wall_s"] == a["train_wall_s"]
+
+    # --report-only: nothing trains; the finished seed is reported (audit reused), a seed never run is NOT RUN
+    only = subprocess.run([sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "--seeds", "7", "8", "--out", str(out), "--report-only"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert only.returncode == 1 and "not run: joint seed 8" in only.stdout and "start " not in only.stdout, only.stdout[-2000:]
+    report3 = json.loads((out / "report.json").read_text())["arms"]["joint"]
+    assert report3["seeds"]["7"]["curve"] == report["arms"]["joint"]["seeds"]["7"]["curve"] and report3["seeds"]["7"]["audit"] == "PASS"
+    assert report3["seeds"]["8"]["audit"] == "NOT RUN" and report3["seeds"]["8"]["curve"] == [] and report3["seeds"]["8"]["final_dev_success"] is None
+    assert report3["summary"]["final_dev_success_mean"] == report3["seeds"]["7"]["final_dev_success"]
+    assert not (out / "runs" / "joint_seed8").exists()
