@@ -304,9 +304,9 @@ class Trainer:
         if it had computed it itself.
         """
         cfg, w = self.cfg, self.cfg.warm_start
-        suites = [build_suite(cfg, stage) for stage in self.stages]  # every stage: every compaction point the run meets
 
         def compute(log):
+            suites = [build_suite(cfg, stage) for stage in self.stages]  # every stage: every compaction point the run meets
             net, engine, step = CausalLMLogProbs(self.lm, cfg.model.temperature), None, None
             if self.stage3:
                 # The weights are partitioned: train them through a DeepSpeed engine of their own, built for the warm
@@ -339,8 +339,9 @@ class Trainer:
 
         if w.cache_dir is None:
             return compute(self.logger.log)
-        inputs = {k: to_dict(cfg)[k] for k in ("model", "env", "compaction", "prompt")}
-        inputs.update(warm_start={k: v for k, v in to_dict(cfg)["warm_start"].items() if k != "cache_dir"}, seed=cfg.train.seed,
+        config = to_dict(cfg)
+        inputs = {k: config[k] for k in ("model", "env", "compaction", "prompt")}
+        inputs.update(warm_start={k: v for k, v in config["warm_start"].items() if k != "cache_dir"}, seed=cfg.train.seed,
                       tasks=[None if stage is None else dataclasses.asdict(stage) for stage in self.stages], vocab_size=self.codec.vocab_size)
         return warm_start_cached(Path(w.cache_dir), inputs, self.lm, compute, self.logger.log, report=print if self.is_main else None)
 
@@ -463,10 +464,9 @@ class Trainer:
         return stats["success"] / max(stats["episodes"], 1)
 
     def stage_description(self) -> str:
-        """``length L`` (and, on the memory chain, ``compactions after [a, b]``) of the current curriculum stage."""
-        suite = build_suite(self.cfg, self.stages[self.stage])
-        steps = getattr(suite, "compaction_steps", None)
-        return f"length {self.stages[self.stage].length}" + ("" if steps is None else f", compactions after {list(steps)}")
+        """``length L`` (and ``compactions after [a, b]`` when forced) of the current stage, read off its collector."""
+        steps = self.collector.engine.config.forced_steps
+        return f"length {self.stages[self.stage].length}" + (f", compactions after {list(steps)}" if steps else "")
 
     def advance_curriculum(self, train_success: float) -> bool:
         """Move to the next curriculum stage when ``train_success`` reaches its ``promote_at``; keeps episode counters."""

@@ -43,6 +43,11 @@ FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format to
 SUMMARY_CONTENT = ("random", "untrained")
 
 
+def oracle_summary_ids(env, ctx, encode, eos_id: int) -> list[int]:
+    """The environment's correct summary as token ids, cut to the context's summary budget, closed by ``eos_id``."""
+    return list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id]
+
+
 def demonstration_batch(
     suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = "random"
 ) -> TensorDict:
@@ -56,7 +61,7 @@ def demonstration_batch(
 
         def summarize(env, ctx):
             """Resume from the correct summary, frozen; train a format-only summary segment beside it."""
-            correct = list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id]
+            correct = oracle_summary_ids(env, ctx, encode, eos_id)
             draws = [list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id] for _ in range(FORMAT_DRAWS)]
             shaped = draws[0]
             row = build_episode([ctx.summary_segment(shaped, [0.0] * len(shaped))], 0, 0.0, EpisodeStatus.TRUNCATED)
@@ -81,27 +86,25 @@ def nll_loss(actor_module, batch: TensorDict) -> torch.Tensor:
     return -(out["log_prob"] * mask).sum() / mask.sum().clamp_min(1)
 
 
-def answer_probability(actor_module: TensorDictModule, suite, compaction: CompactionConfig, encode, eos_id: int, *,
-                       n_tasks: int = 40, prompt_format=None, device=None) -> float:
+def answer_probability(actor_module: TensorDictModule, suite, engine: CompactionEngine, encode, eos_id: int, *,
+                       n_tasks: int = 40, device=None) -> float:
     """Mean probability the policy gives the oracle's final action (``submit <answer>`` and its stop token) at
-    the end of an oracle episode of ``compaction`` on the first ``n_tasks`` dev tasks of ``suite``.
+    the end of an oracle episode played through ``engine`` on the first ``n_tasks`` dev tasks of ``suite``.
 
-    The episode resumes from the *correct* summary at every compaction, so with compaction this measures
-    whether the policy reads an answer from a summary in its context, and with ``max_compactions=0`` whether
+    The episode resumes from the *correct* summary at every compaction, so with a compacting engine this measures
+    whether the policy reads an answer from a summary in its context, and with a non-compacting one whether
     it reads one from an observation it can still see — the protocol skills the warm start must teach (RL can
     teach neither: with random summaries, reading them does not change the reward, and with an answer that
     ignores the summary, writing the fact into it does not either). ``p = exp(Σ log π)`` over the final
     action's tokens under teacher forcing; 1/n_facts is chance on the memory chain.
     """
-    engine = CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format)
     total, tasks = 0.0, suite.tasks("dev")[:n_tasks]
     was_training = actor_module.training
     actor_module.eval()
     for task in tasks:
         env = suite.make_env(task)
         ctx = engine.start(env.reset())
-        oracle = lambda env, ctx: (list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id], True)  # noqa: E731
-        play_oracle_episode(env, ctx, encode, eos_id, oracle)
+        play_oracle_episode(env, ctx, encode, eos_id, lambda env, ctx: (oracle_summary_ids(env, ctx, encode, eos_id), True))
         row = build_episode([ctx.segments()[-1]], 0, 0.0, EpisodeStatus.TRUNCATED)
         mask = row["loss_mask"][0]
         last = int(mask.nonzero().max())
@@ -178,12 +181,11 @@ def warm_start(
             log({"warm_start/nll": loss.item()}, step - steps)
     if opt is not None:
         opt.zero_grad(set_to_none=True)
-    if log is not None and steps > 0:
-        suite, compaction = stages[-1]
-        probe = dict(encode=encode, eos_id=eos_id, prompt_format=prompt_format, device=device)
+    if log is not None and steps > 0:  # the last stage's two engines: without and with compaction
+        (suite, _), (plain, compacting) = stages[-1], engines[-1]
         log({"warm_start/nll": loss.item(),
-             "warm_start/answer_p_visible": answer_probability(actor_module, suite, dataclasses.replace(compaction, max_compactions=0, forced_steps=()), **probe),
-             "warm_start/answer_p_summary": answer_probability(actor_module, suite, compaction, **probe)}, -1)
+             "warm_start/answer_p_visible": answer_probability(actor_module, suite, plain, encode, eos_id, device=device),
+             "warm_start/answer_p_summary": answer_probability(actor_module, suite, compacting, encode, eos_id, device=device)}, -1)
     return float(loss.detach())
 
 

@@ -139,7 +139,7 @@ class Study:
         run_dir, logs = self.run_dir(arm, seed), self.log_base(arm, seed)
         logs.parent.mkdir(parents=True, exist_ok=True)
         timing_file = logs.with_suffix(".json")
-        timing = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
+        timing = self.read_timing(timing_file)
         say(f"start  {arm} seed {seed} -> {run_dir}")
         t0 = time.perf_counter()
         cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(self.arm_file(arm)), *self.run_overrides(arm, seed)]
@@ -173,9 +173,12 @@ class Study:
             say(f"not run: {arm} seed {seed} (no finished run in {run_dir})")
             return {"audit": "NOT RUN", "not_run": True}
         logs.parent.mkdir(parents=True, exist_ok=True)
-        timing_file = logs.with_suffix(".json")
-        timing = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
-        return {"audit": self.audit(run_dir, logs)[0], **timing}
+        return {"audit": self.audit(run_dir, logs)[0], **self.read_timing(logs.with_suffix(".json"))}
+
+    @staticmethod
+    def read_timing(path: Path) -> dict:
+        """``DIR/logs/ARM_seedS.json``: the wall times recorded when the run trained ({} before it has)."""
+        return json.loads(path.read_text()) if path.is_file() else {}
 
     def audit(self, run_dir: Path, logs: Path) -> tuple[str, float, bool]:
         audit_json, metrics = run_dir / "audit.json", run_dir / "metrics.jsonl"

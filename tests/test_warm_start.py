@@ -75,7 +75,7 @@ def test_answer_probability_scores_exactly_the_final_action():
     for compaction in (CFG, dataclasses.replace(CFG, max_compactions=0, forced_steps=())):
         model = _ConstantLogProb(math.log(0.5))
         actor = TensorDictModule(model, ["tokens", "attention_mask"], ["log_prob", "entropy"])
-        p = answer_probability(actor, SUITE, compaction, encode, EOS_ID, n_tasks=5)
+        p = answer_probability(actor, SUITE, CompactionEngine(compaction, encode, eos_id=EOS_ID), encode, EOS_ID, n_tasks=5)
         assert p == pytest.approx(0.5 ** 3)
         assert len(model.seen) == len(SUITE.tasks("dev")) == 2
         for tokens, task in zip(model.seen, SUITE.tasks("dev")):
