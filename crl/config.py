@@ -137,7 +137,11 @@ class WarmStartConfig:
     steps: int = 200
     batch_episodes: int = 16
     lr: float = 3e-3
-    summary_content: str = "random"  # random | untrained (see crl/warm_start.py): never the correct content
+    summary_content: str = "random"  # random | untrained | format (see crl/warm_start.py): never the correct content
+    # stop once the answer probe on train tasks (reading a fact from a correct summary) reaches this; steps is then
+    # the maximum. null: exactly `steps` steps
+    stop_answer_p: Optional[float] = None
+    probe_every: int = 100  # steps between the stopping rule's probes
     # a directory shared by runs (ablation arms of one seed): the warm-started weights are stored under a hash of
     # everything they depend on and reused by the next run with the same inputs; null: always recompute
     cache_dir: Optional[str] = None
@@ -198,7 +202,7 @@ CHOICES = {
     "env.name": ("memory_chain", "sequential_records"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
-    "warm_start.summary_content": ("random", "untrained"),
+    "warm_start.summary_content": ("random", "untrained", "format"),
     "env.early_submit": ("accept", "fail"),
 }
 
@@ -326,6 +330,8 @@ def validate(cfg: Config) -> None:
     _need(r in ("auto", "force", "never") or (Path(r) / "meta.json").is_file(), "checkpoint.resume",
           f"{r!r} is neither auto, force, never nor a complete checkpoint directory (one with meta.json)")
     _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
+    _need(cfg.warm_start.stop_answer_p is None or 0 < cfg.warm_start.stop_answer_p <= 1, "warm_start.stop_answer_p", "a probability in (0, 1], or null")
+    _need(cfg.warm_start.probe_every >= 1, "warm_start.probe_every", ">= 1")
     if cfg.deepspeed.config is not None:
         _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")
     # Token budgets need token lengths (the run's tokenizer): crl.builders.check_budgets, when a Trainer is built.

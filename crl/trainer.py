@@ -329,6 +329,7 @@ class Trainer:
                     self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
                     summary_content=w.summary_content, log=log, progress=self.is_main and cfg.logging.progress,
                     device=self.device if self.stage3 else next(self.lm.parameters()).device, prompt_format=self.prompt_format, optimizer_step=step,
+                    stop_answer_p=w.stop_answer_p, probe_every=w.probe_every,
                 )
             finally:
                 if engine is not None:

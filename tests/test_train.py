@@ -154,6 +154,9 @@ def test_paper_config_loads():
         ("model.preset=/no/such/dir", "model.preset"),
         ("model.temperature=0", "model.temperature"),
         ("train.micro_batches=0", "train.micro_batches"),
+        ("warm_start.stop_answer_p=1.5", "warm_start.stop_answer_p"),
+        ("warm_start.probe_every=0", "warm_start.probe_every"),
+        ("warm_start.summary_content=correct", "warm_start.summary_content"),
     ],
 )
 def test_bad_configs_fail_at_load_naming_the_key(override, key):

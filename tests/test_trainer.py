@@ -142,6 +142,16 @@ def test_warm_start_cache_reuse_is_bit_identical(tmp_path, capsys):
     assert len(entries()) == 2
 
 
+def test_warm_start_stopping_rule_and_format_content_through_the_trainer(tmp_path):
+    """warm_start.stop_answer_p / probe_every / summary_content=format as a user sets them: a reachable threshold
+    stops the warm start at the first probe (step 2 of at most 6), logged as warm_start/steps."""
+    make(tmp_path / "run", "train.iterations=1", "warm_start.steps=6", "warm_start.stop_answer_p=1e-9", "warm_start.probe_every=2",
+         "warm_start.summary_content=format").fit()
+    recs = metrics(tmp_path / "run")
+    assert [r["step"] for r in recs if "warm_start/answer_p_train" in r] == [1 - 6]
+    assert [r["warm_start/steps"] for r in recs if "warm_start/steps" in r] == [2]
+
+
 @pytest.mark.parametrize("stage, match", [
     ("{length: 4, compaction_steps: [2, 1]}", "strictly increasing"),
     ("{length: 4, compaction_steps: [0]}", "strictly increasing"),

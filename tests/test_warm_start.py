@@ -1,5 +1,6 @@
 """Warm start: demonstrations teach protocol and summary format, never a summary's correct content."""
 import dataclasses
+import math
 import random
 
 import pytest
@@ -95,3 +96,85 @@ def test_warm_start_logs_its_answer_probes():
                log=lambda m, step: logged.append((step, m)), progress=False)
     assert [s for s, _ in logged] == [-3, -1]
     assert 0.0 < logged[-1][1]["warm_start/answer_p_visible"] < 1.0 and 0.0 < logged[-1][1]["warm_start/answer_p_summary"] < 1.0
+
+
+def test_format_content_allows_every_code_and_is_scored_as_a_set():
+    """``format``: the digit is out of the token loss, its alternatives are the four codes, and the loss adds
+    ``-log Σ_{d=0..3} π(d)`` there, checked against a plain loop over the raw LM's softmax."""
+    batch = demonstration_batch(SUITE, CompactionEngine(CFG, encode, eos_id=EOS_ID), encode, EOS_ID, 4, random.Random(1), "format")
+    prov, mask, tokens, alt = batch["provenance"], batch["loss_mask"], batch["tokens"], batch["content_alternatives"]
+    codes = sorted(TOK.convert_tokens_to_ids([str(d) for d in range(4)]))
+    slots = []
+    for r in range(batch.batch_size[0]):
+        summary = (prov[r] == Provenance.SUMMARY).nonzero().squeeze(-1)
+        if len(summary):
+            assert mask[r, summary].tolist() == [True, False, True]
+            digit = int(summary[1])
+            assert sorted(a for a in alt[r, digit].tolist() if a >= 0) == codes
+            slots.append((r, digit))
+    assert len(slots) == 4 and int((alt >= 0).any(-1).sum()) == 4  # nowhere else
+
+    from crl.warm_start import nll_loss
+
+    lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+    actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    with torch.no_grad():
+        loss = nll_loss(actor, batch)
+        total, count = 0.0, 0
+        for r in range(batch.batch_size[0]):
+            n = int(batch["attention_mask"][r].sum())
+            probs = torch.softmax(lm(input_ids=tokens[r : r + 1, :n]).logits[0].double(), -1)
+            for t in range(1, n):
+                if mask[r, t]:
+                    total, count = total - math.log(probs[t - 1, tokens[r, t]]), count + 1
+                elif (r, t) in slots:
+                    total, count = total - math.log(sum(probs[t - 1, c] for c in codes)), count + 1
+    assert float(loss) == pytest.approx(total / count, rel=1e-4)
+
+
+def _code_slot_probabilities(summary_content: str, steps: int = 40):
+    """After a ``summary_content`` warm start: per summary of fresh demonstrations, the probability mass on the
+    four codes at the digit slot, and the share of that mass on the task's own code."""
+    lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+    actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=steps, batch_episodes=4, lr=3e-3, seed=0, summary_content=summary_content, progress=False)
+    batch = demonstration_batch(SUITE, CompactionEngine(CFG, encode, eos_id=EOS_ID), encode, EOS_ID, 16, random.Random(5), "format")
+    codes = TOK.convert_tokens_to_ids([str(d) for d in range(4)])
+    mass, right = [], []
+    with torch.no_grad():
+        for r, t in (batch["content_alternatives"] >= 0).any(-1).nonzero().tolist():
+            n = int(batch["attention_mask"][r].sum())
+            probs = torch.softmax(lm(input_ids=batch["tokens"][r : r + 1, :n]).logits[0, t - 1], -1)
+            mass.append(float(probs[codes].sum()))
+            fact = int(decode(batch["tokens"][r, :n].tolist()).split("the code is ")[1][0])
+            right.append(float(probs[codes[fact]] / probs[codes].sum()))
+    return mass, right
+
+
+def test_format_warm_start_puts_a_code_in_the_summary_without_choosing_it():
+    """After a short ``format`` warm start the digit slot holds a code (most of the mass; ``untrained``, the same
+    run without the set term, leaves it far lower), but which code is not the task's: the share of the correct code
+    stays near 1/4 over tasks with different facts."""
+    mass, right = _code_slot_probabilities("format")
+    untrained_mass, _ = _code_slot_probabilities("untrained")
+    assert min(mass) > 0.8 and max(untrained_mass) < 0.5
+    assert abs(sum(right) / len(right) - 0.25) < 0.15
+
+
+def test_stopping_rule_ends_the_warm_start_when_the_probe_reads():
+    """``stop_answer_p`` probes every ``probe_every`` steps (train tasks) and stops at the first probe that reaches
+    it; a threshold of 1e-9 stops at the first probe, an unreachable one (1.0) runs every step."""
+    runs = {}
+    for threshold in (1e-9, 1.0):
+        lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+        actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+        logged = []
+        warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=12, batch_episodes=2, lr=3e-3, seed=0, progress=False,
+                   stop_answer_p=threshold, probe_every=5, log=lambda m, step: logged.append((step, m)))
+        runs[threshold] = logged
+    first = runs[1e-9]
+    assert [s for s, m in first if "warm_start/answer_p_train" in m] == [4 - 12]
+    assert first[-1][1]["warm_start/steps"] == 5
+    full = runs[1.0]
+    assert [s for s, m in full if "warm_start/answer_p_train" in m] == [4 - 12, 9 - 12]
+    assert full[-1][1]["warm_start/steps"] == 12 and 0 < full[-1][1]["warm_start/answer_p_summary"] < 1

@@ -83,6 +83,11 @@ class CausalLMLogProbs(nn.Module):
 
     ``forward(..., lm_kwargs={...})`` instead returns the LM's raw output for those keyword arguments (generation
     with a KV cache): :class:`crl.modules.zero3.LockstepEngineLM` samples through a ZeRO-3 engine this way.
+
+    ``forward(..., alternatives=A)`` (``A`` ``[B, T, K]`` token ids, ``-1`` = unused) adds a third output
+    ``log_prob_set`` ``[B, T]``: ``log Σ_{a ∈ A[b, t]} π(a | tokens[b, :t])`` at every position with an alternative,
+    0 elsewhere — the likelihood that position ``t`` holds *some* allowed token, whichever (the warm start's
+    ``summary_content="format"``). Only those positions' full-vocabulary log-probs are formed.
     """
 
     OUTSIDE_TOP_P_LOG_PROB = -100.0
@@ -99,7 +104,8 @@ class CausalLMLogProbs(nn.Module):
         self.top_p = top_p
         self._params = SamplingParams(temperature=temperature, top_p=top_p)
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None):
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None,
+                alternatives: torch.Tensor | None = None):
         if lm_kwargs is not None:  # generation through this module (a ZeRO-3 engine's hooks start at its forward)
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
@@ -115,7 +121,14 @@ class CausalLMLogProbs(nn.Module):
             log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
         keep = attention_mask.bool()
         keep[:, 0] = False
-        return log_prob * keep, entropy * keep
+        if alternatives is None:
+            return log_prob * keep, entropy * keep
+        rows, cols = ((alternatives >= 0).any(-1) & keep).nonzero(as_tuple=True)
+        logp = sampling_log_probs(out.logits[rows, cols - 1], self._params)  # [N, V]: the distribution at t - 1 predicts t
+        alt = alternatives[rows, cols]
+        picked = logp.gather(-1, alt.clamp_min(0)).masked_fill(alt < 0, float("-inf"))
+        log_prob_set = torch.zeros_like(log_prob).index_put((rows, cols), picked.logsumexp(-1))
+        return log_prob * keep, entropy * keep, log_prob_set
 
 
 def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
