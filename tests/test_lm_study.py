@@ -175,7 +175,7 @@ def test_study_arm_configs():
         "frozen": {"algo.frozen_summary": True},
         "no_cross_trajectory": {"algo.cross_trajectory": False},
         "segment_mean": {"algo.aggregation": "segment_mean"},
-        "ppo_epochs": {"train.policy_epochs": 2, "train.policy_minibatches": 2},
+        "ppo_epochs": {"train.policy_epochs": 2, "train.policy_minibatches": 2},  # base: 1 epoch x 4 minibatches
     }
     for arm, diff in expected.items():
         cfg = flat(to_dict(load_config(STUDY / f"{arm}.yaml")))
