@@ -455,9 +455,10 @@ class Trainer:
         if self.cfg.model.backend != "transformers" and not self.stage3:  # an external engine (vLLM) holds its own copy of the weights
             self.collector.update_policy_weights_(self.lm.state_dict())
 
-    def evaluate(self, stage=None) -> float:
-        """Success rate on the dev split of curriculum ``stage`` (default: the final stage), all ranks together."""
-        col = self.make_collector("dev", self.stages[-1] if stage is None else stage, evaluation=True)
+    def evaluate(self, stage=None, split: str = "dev") -> float:
+        """Success rate on ``split`` (``eval.episodes`` episodes, its tasks in order, cycling when there are more
+        episodes than tasks) of curriculum ``stage`` (default: the final stage), all ranks together."""
+        col = self.make_collector(split, self.stages[-1] if stage is None else stage, evaluation=True)
         self.actor_model.eval()
         col.collect()
         self._finish_generation()

@@ -56,8 +56,10 @@ its ranks (segments of one rollout may sit on different ranks). Checks (names as
 * ``n_after_rollout_length``: both recomputed from the complete rollouts match every stored row.
 * ``advantages_value_targets``: recomputed by the plain per-segment loop below (not crl.objectives) and within
   the tolerance (max abs error reported); advantage and value target exactly 0 off the loss mask.
-* ``grad_norms``: every actor and critic entry finite and > 0; both non-empty, except the actor list of a
-  critic warm-up iteration (meta ``critic_warmup: true``), which must be empty; the run holds >= 1 actor entry.
+* ``grad_norms``: every actor and critic entry finite and >= 0; both non-empty, except the actor list of a
+  critic warm-up iteration (meta ``critic_warmup: true``), which must be empty; the run holds >= 1 actor entry,
+  and >= 1 positive actor and critic entry. A single 0 is legitimate: a minibatch whose optimized tokens all have
+  advantage 0 (every reward 0 while the critic still outputs exactly 0, its zero-initialised head) has gradient 0.
 * ``checkpoint``: the checkpoint of every evidence meta exists inside RUN_DIR, its iteration >= the evidence's,
   actor and critic load with strict=True and every parameter is finite.
 * ``files_manifest``: rollout, training, gradient, meta and checkpoint files listed with size and SHA-256.
@@ -677,7 +679,7 @@ class Audit:
     def check_grad_norms(self):
         if not self.units:
             raise RuntimeError("no evidence directory")
-        problems, counts = [], {"actor": 0, "critic": 0}
+        problems, counts, positive = [], {"actor": 0, "critic": 0}, {"actor": 0, "critic": 0}
         lo, hi = math.inf, 0.0
         for (it, r), rp in sorted(self.units.items()):
             where = f"iter_{it:06d}/rank_{r}/grad_norms.json"
@@ -698,15 +700,18 @@ class Audit:
                 if vals and k == "actor" and warmup:
                     problems.append(f"{where}: meta.json says critic_warmup but {len(vals)} actor gradient norms are listed")
                 for i, v in enumerate(vals):
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                        problems.append(f"{where}: {k}[{i}] = {v!r} is not a finite positive norm")
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                        problems.append(f"{where}: {k}[{i}] = {v!r} is not a finite non-negative norm")
                     else:
                         lo, hi = min(lo, v), max(hi, v)
+                        positive[k] += v > 0
                 counts[k] += len(vals)
         for k, c in counts.items():
             if c == 0:
                 problems.append(f"no {k} gradient norm in the whole run")
-        return not problems, {"entries": counts, "min": lo if counts["actor"] + counts["critic"] else None, "max": hi,
+            elif positive[k] == 0:
+                problems.append(f"every {k} gradient norm of the run is 0: nothing was ever learned")
+        return not problems, {"entries": counts, "positive": positive, "min": lo if counts["actor"] + counts["critic"] else None, "max": hi,
                               "problems": first(problems)}, (
             "; ".join(first(problems, 3)) or f"{counts} entries, all finite and in [{lo:.3g}, {hi:.3g}]")
 

@@ -7,7 +7,8 @@
 Each arm is ``CONFIG_DIR/ARM.yaml`` (layered on ``base.yaml``). Each (arm, seed) runs as a ``scripts/train.py``
 subprocess with ``run_dir=DIR/runs/ARM_seedS train.seed=S`` (plus ``--set`` overrides and, with ``--quick``,
 :data:`QUICK`), at most ``--parallel`` at a time (default 2; one torch thread each), then ``scripts/audit.py`` on
-its run directory. The arms of one seed share its warm start (``warm_start.cache_dir=DIR/warm_start_cache``: computed
+its run directory, then ``scripts/evaluate.py`` on its final checkpoint (``--final-episodes`` dev episodes, default 240:
+each of the 60 dev tasks 4 times, a quarter of the training-time evaluation's noise). The arms of one seed share its warm start (``warm_start.cache_dir=DIR/warm_start_cache``: computed
 by the first, loaded bit-identically by the others). Logs: ``DIR/logs/ARM_seedS.{train,audit}.log``; wall times: ``DIR/logs/ARM_seedS.json``.
 
 Resumable: rerun the same command. A finished run is recognised by the trainer itself (``scripts/train.py`` on
@@ -19,9 +20,11 @@ Writes, atomically, ``DIR/report.json``::
     {"task": {...}, "compactions_per_episode": int, "machine": str, "wall_s": float,
      "arms": {arm: {"config": {...}, "summary": {...},
                     "seeds": {seed: {"iter0_dev_success", "final_dev_success", "audit": "PASS"|"FAIL",
-                                     "curve": [[iteration, dev_success], ...], ...}}}}}
+                                     "curve": [[iteration, dev_success], ...],
+                                     "final_eval": {"episodes", "tasks", "success", "stderr", "iteration"}, ...}}}}}
 
-and ``DIR/curves.png`` (dev success vs iteration: mean and min–max band over seeds per arm, chance dashed).
+and ``DIR/curves.png`` (dev success vs iteration: mean and min–max band over seeds per arm, chance dashed; a diamond
+with a min–max bar right of each curve: the final evaluation).
 ``compactions_per_episode`` is the most compactions an episode went through (``episode/compactions`` of the
 metrics: the per-iteration mean, maximum over iterations and runs, rounded); ``compactions_per_episode_mean``
 is the mean over every training iteration of every run. ``wall_s`` is this invocation's wall time; each seed's
@@ -106,6 +109,7 @@ class Study:
                         WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"), PYTHONUNBUFFERED="1",
                         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self.jobs = [(arm, seed) for arm in args.arms for seed in args.seeds]
+        self.final_episodes = args.final_episodes if args.final_episodes is not None else (8 if args.quick else 240)
         self.done = 0
 
     # -------------------------------------------------------------------------------- configs
@@ -159,12 +163,14 @@ class Study:
             timing["train_wall_s"] = round(train_s, 1)
         verdict, audit_s, reused = self.audit(run_dir, logs)
         timing["audit_wall_s"] = timing.get("audit_wall_s") if reused else round(audit_s, 1)
+        final = self.final_eval(run_dir, logs)
         atomic_write_json(timing_file, timing)
         self.done += 1
         how = "already complete" if skipped else f"trained in {train_s:.0f} s"
+        ev = f", final eval {final['success']:.3f} ({final['episodes']} episodes)" if final else ""
         say(f"finish {arm} seed {seed} ({self.done}/{len(self.jobs)}): {how}, audit {verdict}"
-            f"{' (reused)' if reused else f' in {audit_s:.0f} s'}, wall {time.perf_counter() - t0:.0f} s")
-        return {"audit": verdict, **timing}
+            f"{' (reused)' if reused else f' in {audit_s:.0f} s'}{ev}, wall {time.perf_counter() - t0:.0f} s")
+        return {"audit": verdict, "final_eval": final, **timing}
 
     def existing(self, arm: str, seed: int, iterations: int) -> dict:
         """``--report-only``: a run that reached ``iterations`` is audited (or its audit reused); any other is NOT RUN."""
@@ -173,7 +179,7 @@ class Study:
             say(f"not run: {arm} seed {seed} (no finished run in {run_dir})")
             return {"audit": "NOT RUN", "not_run": True}
         logs.parent.mkdir(parents=True, exist_ok=True)
-        return {"audit": self.audit(run_dir, logs)[0], **self.read_timing(logs.with_suffix(".json"))}
+        return {"audit": self.audit(run_dir, logs)[0], "final_eval": self.final_eval(run_dir, logs), **self.read_timing(logs.with_suffix(".json"))}
 
     @staticmethod
     def read_timing(path: Path) -> dict:
@@ -189,6 +195,23 @@ class Study:
             subprocess.run([sys.executable, str(ROOT / "scripts" / "audit.py"), str(run_dir)], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         verdict = json.loads(audit_json.read_text()).get("verdict", "FAIL") if audit_json.is_file() else "FAIL"
         return verdict, time.perf_counter() - t0, False
+
+    def final_eval(self, run_dir: Path, logs: Path) -> dict | None:
+        """The final checkpoint on ``--final-episodes`` dev episodes (scripts/evaluate.py: the dev tasks in order,
+        each played several times), or None when disabled or it failed. Reused when newer than ``metrics.jsonl``."""
+        n = self.final_episodes
+        if not n:
+            return None
+        out, metrics = run_dir / f"eval_dev_{n}.json", run_dir / "metrics.jsonl"
+        if not (out.is_file() and metrics.is_file() and out.stat().st_mtime >= metrics.stat().st_mtime):
+            with open(logs.with_suffix(".eval.log"), "w") as log:
+                subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--episodes", str(n), "--out", str(out)],
+                               cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        if not out.is_file():
+            say(f"final evaluation of {run_dir} failed (log {logs.with_suffix('.eval.log')})")
+            return None
+        r = json.loads(out.read_text())
+        return {k: r[k] for k in ("episodes", "tasks", "success", "stderr", "iteration")}
 
     # -------------------------------------------------------------------------------- report
     @staticmethod
@@ -222,7 +245,7 @@ class Study:
             "env": e.name, "length": e.length, "n_facts": e.n_facts, "compaction_steps": e.compaction_steps,
             "forced_compactions": len(e.compaction_steps) if e.compaction_steps is not None else None,
             "keep_recent": c.keep_recent, "early_submit": e.early_submit, "chance": 1 / e.n_facts,
-            "dev_episodes": first.eval.episodes, "model": first.model.preset, "iterations": first.train.iterations,
+            "dev_episodes": first.eval.episodes, "final_eval_episodes": self.final_episodes, "model": first.model.preset, "iterations": first.train.iterations,
             "curriculum": [dataclasses.asdict(s) for s in first.train.curriculum], "quick": self.args.quick,
         }
         arms, comp_max, comp_means = {}, [], []
@@ -238,6 +261,7 @@ class Study:
                     comp_means.append(run["compactions_mean"])
                 seeds[str(seed)] = {**run, **results.get((arm, seed), {}), "run_dir": str(self.run_dir(arm, seed).relative_to(self.out))}
             finals = [s["final_dev_success"] for s in seeds.values() if s["final_dev_success"] is not None]
+            evals = [s["final_eval"]["success"] for s in seeds.values() if s.get("final_eval")]
             starts = [s["iter0_dev_success"] for s in seeds.values() if s["iter0_dev_success"] is not None]
             arms[arm] = {
                 "config": {"file": os.path.relpath(self.arm_file(arm), ROOT), "overrides": self.overrides,
@@ -246,6 +270,8 @@ class Study:
                     "final_dev_success_mean": sum(finals) / len(finals) if finals else None,
                     "final_dev_success_min": min(finals) if finals else None,
                     "iter0_dev_success_mean": sum(starts) / len(starts) if starts else None,
+                    "final_eval_success_mean": sum(evals) / len(evals) if evals else None,
+                    "final_eval_success_min": min(evals) if evals else None,
                     "audits_pass": sum(s["audit"] == "PASS" for s in seeds.values()), "seeds": len(seeds),
                 },
                 "seeds": seeds,
@@ -278,6 +304,10 @@ class Study:
             mean = [sum(v) / len(v) for v in vals]
             line, = ax.plot(steps, mean, marker="o" if len(steps) < 30 else None, ms=3, label=f"{arm} (n={len(curves)})")
             ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
+            evals = [s["final_eval"]["success"] for s in a["seeds"].values() if s.get("final_eval")]
+            if evals and steps:  # the final checkpoint's larger evaluation: mean and min-max, just right of the curve
+                m = sum(evals) / len(evals)
+                ax.errorbar([steps[-1] * 1.02 + 0.5], [m], yerr=[[m - min(evals)], [max(evals) - m]], fmt="D", ms=4, color=line.get_color(), capsize=2)
         ax.axhline(report["task"]["chance"], color="gray", ls="--", lw=1, label="chance")
         t = report["task"]
         ax.set_title(f"dev success, memory chain {t['length']}, {report['compactions_per_episode']} compactions"
@@ -311,7 +341,8 @@ class Study:
             s = a["summary"]
             fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
             say(f"{arm:22s} dev success iter0 {fmt(s['iter0_dev_success_mean'])} -> final mean {fmt(s['final_dev_success_mean'])} "
-                f"(min {fmt(s['final_dev_success_min'])}); audits {s['audits_pass']}/{s['seeds']} PASS")
+                f"(min {fmt(s['final_dev_success_min'])}); final eval mean {fmt(s['final_eval_success_mean'])} "
+                f"(min {fmt(s['final_eval_success_min'])}); audits {s['audits_pass']}/{s['seeds']} PASS")
         say(f"wrote {self.out / 'report.json'} and {self.out / 'curves.png'} in {time.perf_counter() - t0:.0f} s; "
             f"{'all runs trained and audited PASS' if ok else 'SOME RUNS FAILED (see above)'}")
         return 0 if ok else 1
@@ -327,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config-dir", default=str(ROOT / "configs" / "study"), help="where ARM.yaml and base.yaml live")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run (after --quick's)")
     ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
+    ap.add_argument("--final-episodes", type=int, default=None, help="dev episodes of each run's final-checkpoint evaluation "
+                    "(scripts/evaluate.py; default 240 = each of the 60 dev tasks 4 times; 8 with --quick; 0: none)")
     args = ap.parse_args(argv)
     if args.parallel < 1:
         ap.error("--parallel must be >= 1")

@@ -247,11 +247,21 @@ def test_non_finite_parameter_fails(run, capsys):
     assert_fails(run, "checkpoint", capsys)
 
 
-@pytest.mark.parametrize("value", [0.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_bad_grad_norm_fails(run, capsys, value):
     edit_json(ev(run, 1) / "grad_norms.json", lambda g: dict(g, critic=[1.0, value]))
     rep = assert_fails(run, "grad_norms", capsys)
     assert rep["failed"] == ["grad_norms"]
+
+
+def test_zero_grad_norms_pass_alone_but_not_for_the_whole_run(run, capsys):
+    """A zero-advantage minibatch has gradient exactly 0 (legitimate); a run whose every actor norm is 0 never learned."""
+    edit_json(ev(run, 1) / "grad_norms.json", lambda g: dict(g, critic=[1.0, 0.0]))
+    rc, rep, _ = do_audit(run, capsys)
+    assert rc == 0 and rep["verdict"] == "PASS"
+    for it in (0, 1):
+        edit_json(ev(run, it) / "grad_norms.json", lambda g: dict(g, actor=[0.0] * len(g["actor"])))
+    assert_fails(run, "grad_norms", capsys)
 
 
 def test_empty_actor_grad_norms_fail(run, capsys):

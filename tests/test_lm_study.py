@@ -217,6 +217,9 @@ def test_lm_study_quick_report_and_resume(tmp_path):
         assert s["iter0_dev_success"] == s["curve"][0][1] and s["final_dev_success"] == s["curve"][-1][1]
         assert s["train_wall_s"] > 0
         assert (out / "runs" / f"{arm}_seed7" / "metrics.jsonl").is_file()
+        fe = s["final_eval"]  # scripts/evaluate.py on the final checkpoint: 8 episodes in --quick
+        assert fe["episodes"] == task["final_eval_episodes"] == 8 and fe["iteration"] == 2 and 0 <= fe["success"] <= 1
+        assert (out / s["run_dir"] / "eval_dev_8.json").is_file()
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     t0 = time.perf_counter()
@@ -229,6 +232,7 @@ def test_lm_study_quick_report_and_resume(tmp_path):
     for arm in ("joint", "frozen"):  # the same results, the first invocation's training time kept
         a, b = report["arms"][arm]["seeds"]["7"], report2["arms"][arm]["seeds"]["7"]
         assert b["curve"] == a["curve"] and b["audit"] == "PASS" and b["train_wall_s"] == a["train_wall_s"]
+        assert b["final_eval"] == a["final_eval"]  # reused, not re-sampled
 
     # --report-only: nothing trains; the finished seed is reported (audit reused), a seed never run is NOT RUN
     only = subprocess.run([sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "--seeds", "7", "8", "--out", str(out), "--report-only"],

@@ -226,3 +226,34 @@ def test_prefix_shared_learner_matches_the_naive_learner_through_the_trainer(tmp
     assert shared["perf/unique_tokens"] == naive["perf/unique_tokens"]
     for key in ("perf/learner_tokens_per_s", "perf/peak_memory_mb"):
         assert shared[key] > 0
+
+
+def test_evaluate_script_scores_the_checkpoint_it_names(tmp_path):
+    """scripts/evaluate.py: the weights it evaluates are the checkpoint's (not the fresh model its scratch trainer
+    builds), for a frozen-summary run the frozen writer's too; ``--episodes`` cycles the split's tasks."""
+    import importlib.util
+
+    from crl.builders import build_suite
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    same = lambda a, b: all(torch.equal(a[k].cpu(), b[k].cpu()) for k in b)  # noqa: E731
+    run = tmp_path / "run"
+    make(run, "train.iterations=2", "checkpoint.every=1", "checkpoint.keep_last=2").fit()
+    first, last = sorted((run / "checkpoints").glob("iter_*"))
+    fresh = make(tmp_path / "fresh", "warm_start.enabled=false").lm.state_dict()  # what the scratch trainer starts from
+    assert not same(fresh, torch.load(last / "actor.pt"))  # else the check below cannot fail
+    n_dev = len(build_suite(load_config(run / "config.yaml")).tasks("dev"))
+    for ckpt in (first, last, None):
+        report, trainer = ev.evaluate_checkpoint(run, ckpt, "dev", 2 * n_dev)
+        assert same(trainer.lm.state_dict(), torch.load((ckpt or last) / "actor.pt", weights_only=True))
+        assert report["episodes"] == 2 * n_dev and report["tasks"] == n_dev
+        assert report["iteration"] == json.loads(((ckpt or last) / "meta.json").read_text())["iteration"] + 1
+        assert report["successes"] == round(report["success"] * report["episodes"]) and 0 <= report["success"] <= 1
+    frozen_run = tmp_path / "frozen"
+    make(frozen_run, "algo.frozen_summary=true").fit()
+    report, trainer = ev.evaluate_checkpoint(frozen_run, None, "test", 3)
+    frozen = torch.load(next((frozen_run / "checkpoints").glob("iter_*")) / "frozen_actor.pt", weights_only=True)
+    assert same(trainer.frozen_lm.state_dict(), frozen)  # the warm-started writer, not the scratch trainer's fresh copy
+    assert report["split"] == "test" and report["episodes"] == 3
