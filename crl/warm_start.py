@@ -230,7 +230,7 @@ def warm_start(
         opt.zero_grad(set_to_none=True)
     if log is not None and steps > 0:  # the last stage's two engines: without and with compaction
         (suite, _), (plain, compacting) = stages[-1], engines[-1]
-        log({"warm_start/nll": loss.item(), "warm_start/steps": step + 1,
+        log({"warm_start/nll": loss.item(), **({"warm_start/steps": step + 1} if stop_answer_p is not None else {}),
              "warm_start/answer_p_visible": answer_probability(actor_module, suite, plain, encode, eos_id, device=device),
              "warm_start/answer_p_summary": answer_probability(actor_module, suite, compacting, encode, eos_id, device=device)}, -1)
     return float(loss.detach())
