@@ -257,3 +257,26 @@ def test_evaluate_script_scores_the_checkpoint_it_names(tmp_path):
     frozen = torch.load(next((frozen_run / "checkpoints").glob("iter_*")) / "frozen_actor.pt", weights_only=True)
     assert same(trainer.frozen_lm.state_dict(), frozen)  # the warm-started writer, not the scratch trainer's fresh copy
     assert report["split"] == "test" and report["episodes"] == 3
+
+
+def test_summary_content_script_counts_what_the_evidence_holds(tmp_path):
+    """scripts/summary_content.py on a tiny memory-chain run: one counted summary per policy-written SUMMARY segment,
+    every episode counted; and on a hand-made row, exactly the optimized spans are read."""
+    import importlib.util
+
+    from crl.episode import SegmentKind, load_episodes
+    from crl.modules.tokenizer import load_tokenizer
+
+    spec = importlib.util.spec_from_file_location("summary_content_script", ROOT / "scripts" / "summary_content.py")
+    sc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sc)
+    tok = load_tokenizer()
+    ids = tok.convert_tokens_to_ids(["next", "<|end|>", "code", "2", "<|end|>", "submit", "2", "<|end|>"])
+    assert sc.optimized_spans(ids, [1, 1, 0, 0, 0, 1, 1, 1], tok.decode) == ["next <|end|>", "submit 2 <|end|>"]
+    run = tmp_path / "run"
+    make(run, "train.episodes_per_batch=6").fit()
+    got = sc.summary_content(run)
+    td = load_episodes(run / "evidence" / "iter_000000" / "rank_0" / "rollout.pt")
+    summary_rows = int((td["segment_kind"] == int(SegmentKind.SUMMARY)).sum())
+    assert got["iteration"] == 0 and got["episodes"] == 6 and got["summaries"] == summary_rows > 0
+    assert 0 <= got["summaries_with_fact"] <= got["summaries"] and got["last_summary_with_fact"] <= got["episodes"]
