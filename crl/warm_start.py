@@ -216,16 +216,15 @@ def warm_start(
             loss.backward()
             opt.step()
         bar.set_postfix(nll=f"{loss.item():.3f}")
-        line = {"warm_start/nll": loss.item()} if step % 10 == 0 else {}
+        line, stop = ({"warm_start/nll": loss.item()} if step % 10 == 0 else {}), False
         if stop_answer_p is not None and (step + 1) % probe_every == 0 and step != steps - 1:
             (suite, _), (_, compacting) = stages[-1], engines[-1]
-            line["warm_start/answer_p_train"] = p_train = answer_probability(actor_module, suite, compacting, encode, eos_id, device=device, split="train")
-            if p_train >= stop_answer_p:
-                if log is not None:
-                    log(line, step - steps)
-                break
-        if log is not None and line and step != steps - 1:
+            line["warm_start/answer_p_train"] = answer_probability(actor_module, suite, compacting, encode, eos_id, device=device, split="train")
+            stop = line["warm_start/answer_p_train"] >= stop_answer_p
+        if log is not None and line and step != steps - 1:  # the last step's line is the final one below
             log(line, step - steps)
+        if stop:
+            break
     if opt is not None:
         opt.zero_grad(set_to_none=True)
     if log is not None and steps > 0:  # the last stage's two engines: without and with compaction

@@ -32,6 +32,7 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
     """``(report, trainer)``: the report above, and the trainer holding the evaluated weights."""
     import torch
 
+    from crl.builders import build_suite
     from crl.config import load_config
     from crl.run_dir import newest_intact_checkpoint, verify_checkpoint
     from crl.trainer import Trainer
@@ -51,14 +52,16 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
                                                 "checkpoint.resume=never", "logging.wandb_mode=disabled", "logging.progress=false"])
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
-    trainer.lm.load_state_dict(torch.load(checkpoint / "actor.pt", weights_only=True))
-    if trainer.frozen_lm is not None:
-        trainer.frozen_lm.load_state_dict(torch.load(checkpoint / "frozen_actor.pt", weights_only=True))
-    success = trainer.evaluate(split=split)
-    n_tasks = len(trainer.make_collector(split, trainer.stages[-1], evaluation=True).tasks)
-    trainer.logger.close()
-    trainer._release_lock()
-    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        trainer.lm.load_state_dict(torch.load(checkpoint / "actor.pt", weights_only=True))
+        if trainer.frozen_lm is not None:
+            trainer.frozen_lm.load_state_dict(torch.load(checkpoint / "frozen_actor.pt", weights_only=True))
+        success = trainer.evaluate(split=split)
+    finally:
+        trainer.logger.close()
+        trainer._release_lock()
+        shutil.rmtree(scratch, ignore_errors=True)
+    n_tasks = len(build_suite(cfg, trainer.stages[-1]).tasks(split))
     report = {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split,
               "episodes": episodes, "tasks": n_tasks, "success": success, "successes": round(success * episodes),
               "stderr": math.sqrt(max(success * (1 - success), 0.0) / episodes), "wall_s": round(time.perf_counter() - t0, 1)}

@@ -39,7 +39,7 @@ def optimized_spans(tokens, mask, decode) -> list[str]:
 
 
 def summary_content(run_dir: Path, iteration: int | None = None) -> dict:
-    from crl.episode import SegmentKind, load_episodes
+    from crl.episode import SegmentKind, concat_episodes, load_episodes
     from crl.modules.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
@@ -48,25 +48,26 @@ def summary_content(run_dir: Path, iteration: int | None = None) -> dict:
         raise SystemExit(f"summary_content: {run_dir}/evidence has no iteration")
     it = its[-1] if iteration is None else iteration
     counts = dict(episodes=0, successes=0, summaries=0, summaries_with_fact=0, last_summary_with_fact=0, episodes_with_invalid_action=0)
-    for rank in sorted((run_dir / "evidence" / f"iter_{it:06d}").glob("rank_*")):
-        td = load_episodes(rank / "rollout.pt")
-        for rid in td["rollout_id"].unique().tolist():
-            rows = td[td["rollout_id"] == rid]
-            texts, actions, summaries = [], [], []
-            for i in range(rows.batch_size[0]):
-                n = int(rows["attention_mask"][i].sum())
-                t, m = rows["tokens"][i][:n].tolist(), rows["loss_mask"][i][:n].tolist()
-                texts.append(tok.decode(t))
-                kind = SegmentKind(int(rows["segment_kind"][i]))
-                (summaries if kind == SegmentKind.SUMMARY else actions).extend(optimized_spans(t, m, tok.decode))
-            fact = re.search(r"the code is (\d+)", " ".join(texts))
-            holds = [bool(fact) and re.search(rf"code {fact.group(1)}\b", s) is not None for s in summaries]
-            counts["episodes"] += 1
-            counts["successes"] += float(rows["reward"][0]) > 0
-            counts["summaries"] += len(summaries)
-            counts["summaries_with_fact"] += sum(holds)
-            counts["last_summary_with_fact"] += bool(holds) and holds[-1]
-            counts["episodes_with_invalid_action"] += any(not ACTION.fullmatch(a.strip()) for a in actions)
+    # the rows of one rollout may sit on different ranks (scripts/audit.py): group over all of them, in segment order
+    td = concat_episodes([load_episodes(rank / "rollout.pt") for rank in sorted((run_dir / "evidence" / f"iter_{it:06d}").glob("rank_*"))])
+    for rid in td["rollout_id"].unique().tolist():
+        rows = td[td["rollout_id"] == rid]
+        rows = rows[rows["segment_index"].argsort()]
+        texts, actions, summaries = [], [], []
+        for i in range(rows.batch_size[0]):
+            n = int(rows["attention_mask"][i].sum())
+            t, m = rows["tokens"][i][:n].tolist(), rows["loss_mask"][i][:n].tolist()
+            texts.append(tok.decode(t))
+            kind = SegmentKind(int(rows["segment_kind"][i]))
+            (summaries if kind == SegmentKind.SUMMARY else actions).extend(optimized_spans(t, m, tok.decode))
+        fact = re.search(r"the code is (\d+)", " ".join(texts))
+        holds = [bool(fact) and re.search(rf"code {fact.group(1)}\b", s) is not None for s in summaries]
+        counts["episodes"] += 1
+        counts["successes"] += float(rows["reward"][0]) > 0
+        counts["summaries"] += len(summaries)
+        counts["summaries_with_fact"] += sum(holds)
+        counts["last_summary_with_fact"] += bool(holds) and holds[-1]
+        counts["episodes_with_invalid_action"] += any(not ACTION.fullmatch(a.strip()) for a in actions)
     return {"run_dir": str(run_dir), "iteration": it, **counts}
 
 
