@@ -1,2 +1,2 @@
-"""crl: CompactionRL as a TorchRL/TensorDict trainer (see DESIGN.md in the project's shared notes and README.md)."""
+"""crl: CompactionRL as a TorchRL/TensorDict trainer (see docs/design.md and README.md)."""
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Prompt formats: the token ids of every fixed piece of an episode's context (DESIGN.md §1–§2).
+"""Prompt formats: the token ids of every fixed piece of an episode's context (docs/design.md §1–§2).
 
 The compaction engine (:class:`crl.compaction.CompactionEngine`) assembles contexts from *pieces* — the
 system prompt ``s``, the task ``u``, each action ``a_i`` and observation ``o_i``, the summary request ``q_sum``

@@ -1,4 +1,4 @@
-"""The compaction engine (DESIGN.md §1; paper Eqs. 7–9): tokenizer-agnostic, no model inside.
+"""The compaction engine (docs/design.md §1; paper Eqs. 7–9): tokenizer-agnostic, no model inside.
 
 An episode's active history is ``h_t = (s, u, z_1 … z_t)`` with atomic steps ``z_i = (a_i, o_i)``. The engine
 holds it as token ids with a provenance per token, decides after every step whether to compact (Eq. 7) or to

@@ -108,7 +108,7 @@ class CurriculumStage:
     promote_at: float = 1.1  # move to the next stage when train success reaches this (> 1: never)
     # memory chain only: the atomic steps after which this stage forces a compaction ([]: none, so the stage
     # trains reading a visible fact); null: derived from the length (round(L/4), round(L/2), round(3L/4)).
-    # Staging the NUMBER of compactions (0 -> 1 -> 2 -> 3) is DESIGN §10's curriculum.
+    # Staging the NUMBER of compactions (0 -> 1 -> 2 -> 3) is docs/design.md §10's curriculum.
     compaction_steps: Optional[list] = None
 
 
@@ -158,7 +158,7 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = 10
     keep_last: int = 2
-    evidence_every: int = 10  # iterations whose evidence (DESIGN §8) is kept; the last one always is
+    evidence_every: int = 10  # iterations whose evidence (docs/design.md §8) is kept; the last one always is
     # auto: continue from the newest intact checkpoint of run_dir (refused if the config differs);
     # force: the same, accepting a changed config; never: start afresh; or a checkpoint directory.
     resume: str = "auto"

@@ -1,4 +1,4 @@
-"""The episode TensorDict contract (DESIGN.md §2–§3).
+"""The episode TensorDict contract (docs/design.md §2–§3).
 
 One logical episode (a *rollout*) becomes chronological segments
 ``execution_0, summary_0, execution_1, …, execution_n``. Collectors write one row per segment; objectives read
@@ -63,7 +63,7 @@ __all__ = [
 
 
 class Provenance(enum.IntEnum):
-    """Where a token came from. Only ``ACTION`` and ``SUMMARY`` are optimized (DESIGN.md §2)."""
+    """Where a token came from. Only ``ACTION`` and ``SUMMARY`` are optimized (docs/design.md §2)."""
 
     PADDING = 0
     SYSTEM = 1  # system prompt s
@@ -238,7 +238,7 @@ def _fail(rule: str, detail: str, rollout=None, segment=None) -> None:
     raise EpisodeValidationError(f"[{rule}] {prefix + ': ' if prefix else ''}{detail}")
 
 
-# The dtype of every contract key (README's table of the episode TensorDict; DESIGN.md §3).
+# The dtype of every contract key (README's table of the episode TensorDict; docs/design.md §3).
 CONTRACT_DTYPES = {
     **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status")},
     "reward": torch.float32,
@@ -254,7 +254,7 @@ CONTRACT_DTYPES = {
 def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | None = None) -> None:
     """Reject a malformed episode batch with an :class:`EpisodeValidationError` naming rollout, segment, rule.
 
-    Rules (DESIGN.md §3): required keys and shapes; finite floats; the loss mask equals the provenance rule
+    Rules (docs/design.md §3): required keys and shapes; finite floats; the loss mask equals the provenance rule
     (no mask bit on a non-sampled token, none missing on a sampled one); padding only at the right end;
     behaviour log-probs finite, ``<= 0`` on sampled tokens and 0 elsewhere; position 0 never optimized;
     reward and status shared by a rollout; truncated and failed rollouts have reward 0. With
@@ -423,7 +423,7 @@ def load_episodes(path: str | os.PathLike) -> TensorDict:
 
 
 def terminal_outcome(env_done: bool, truncated: bool, reward: float | None, *, failed: bool = False) -> tuple[EpisodeStatus, float]:
-    """The status and the trained reward ``R`` of an episode that has just ended (DESIGN.md §1, §3).
+    """The status and the trained reward ``R`` of an episode that has just ended (docs/design.md §1, §3).
 
     ====================  ==========  =====================================================
     how it ended          status      ``R``

@@ -1,4 +1,4 @@
-"""Evidence a training run leaves for the independent audit (DESIGN.md §8), and atomic file writing.
+"""Evidence a training run leaves for the independent audit (docs/design.md §8), and atomic file writing.
 
 Layout of a run directory (every file written atomically: temp file in the same folder, then rename)::
 

@@ -3,7 +3,7 @@
 The episode contract (:mod:`crl.episode`) keeps one row per segment, and the estimator and the loss read them per
 segment. The learner does not have to *run* one row per segment: an execution segment that ends in a compaction
 is an exact token prefix of the summary-request segment after it (Eq. 8: the request is ``h_t + q_sum``), and a
-causal model's output at position ``t`` depends only on ``tokens[:t + 1]``. So (DESIGN.md §11):
+causal model's output at position ``t`` depends only on ``tokens[:t + 1]``. So (docs/design.md §11):
 
 * :func:`plan_forward` finds every row whose valid tokens are an exact prefix of the next segment of the same
   rollout (tokens are compared, never assumed; chains are followed) and keeps the *forward rows* -- rows no

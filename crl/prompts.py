@@ -1,5 +1,5 @@
 """Fixed texts of the agent protocol: role tags, the system prompt, the summary instruction q_sum and the resume
-template u_resume(S) (DESIGN.md §1, Eqs. 8–9).
+template u_resume(S) (docs/design.md §1, Eqs. 8–9).
 
 Every turn the policy generates ends with ``EOS``. Each piece of context *ends* with the assistant tag, so the
 tag is context (provenance of the piece it ends) and the policy's sampled tokens are exactly its action or

@@ -1,4 +1,4 @@
-"""``crl.trainer``: the CompactionRL training loop as a library (DESIGN.md §1–§6).
+"""``crl.trainer``: the CompactionRL training loop as a library (docs/design.md §1–§6).
 
     from crl.config import load_config
     from crl.trainer import Trainer
@@ -68,7 +68,7 @@ from crl.warm_start import warm_start, warm_start_cached
 __all__ = ["Trainer", "make_accelerator"]
 
 def make_accelerator(cfg: Config):
-    """Plain accelerate, or two DeepSpeed engines (actor, critic) from one DeepSpeed JSON (DESIGN §9).
+    """Plain accelerate, or two DeepSpeed engines (actor, critic) from one DeepSpeed JSON (docs/design.md §9).
 
     Returns ``(accelerator, deepspeed_config_or_None)``.
     """
@@ -150,7 +150,7 @@ class Trainer:
         if self.stage3 and cfg.warm_start.cache_dir is not None:  # an entry holds full weights, not ZeRO-3 partitions
             raise ConfigValidationError("warm_start.cache_dir is not supported under DeepSpeed ZeRO-3 (partitioned weights); set it to null")
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
-        if torch.distributed.is_initialized():  # accelerate reports 1 process for DeepSpeed on CPU (DESIGN §9)
+        if torch.distributed.is_initialized():  # accelerate reports 1 process for DeepSpeed on CPU (docs/design.md §9)
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.is_main = self.rank == 0
         self.device = self.accelerator.device  # every tensor the trainer makes lives here (models, batches, collectives)
@@ -239,7 +239,7 @@ class Trainer:
             self.actor = TensorDictModule(self.actor_model, list(MODEL_IN_KEYS), ["log_prob", "entropy"])
             self.critic = TensorDictModule(self.critic_model, list(MODEL_IN_KEYS), ["state_value"])
 
-        # ---- estimator and losses (DESIGN §4–§5)
+        # ---- estimator and losses (docs/design.md §4–§5)
         a = cfg.algo
         self.estimator = CrossTrajectoryGAE(
             gamma=a.gamma, alpha=a.alpha, lmbda=a.lmbda, lambda_length=a.lambda_length, cross_trajectory=a.cross_trajectory,
@@ -626,7 +626,7 @@ class Trainer:
         return final
 
     def write_evidence(self, iteration: int, rollout: TensorDict, batch: TensorDict, checkpoint: Path) -> None:
-        """This rank's evidence of ``iteration`` for the audit (DESIGN §8), pointing at ``checkpoint`` — the path the
+        """This rank's evidence of ``iteration`` for the audit (docs/design.md §8), pointing at ``checkpoint`` — the path the
         checkpoint *will* have: evidence is written first, the checkpoint's rename commits the iteration."""
         a = self.cfg.algo
         meta = {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Independent evidence audit of a crl training run (DESIGN.md §8).
+"""Independent evidence audit of a crl training run (docs/design.md §8).
 
 Usage::
 
@@ -189,7 +189,7 @@ def same_array(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the independent estimator: a plain loop per segment (DESIGN.md §4), no crl.objectives
+# the independent estimator: a plain loop per segment (docs/design.md §4), no crl.objectives
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -875,12 +875,12 @@ class Audit:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Independent evidence audit of a crl training run (DESIGN.md §8)")
+    ap = argparse.ArgumentParser(description="Independent evidence audit of a crl training run (docs/design.md §8)")
     ap.add_argument("run_dir", type=Path, help="the run directory (holds evidence/ and checkpoints/)")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="max abs error of advantages / value targets (at most the default)")
     args = ap.parse_args(argv)
     if not (0 < args.tolerance <= TOLERANCE):
-        ap.error(f"--tolerance must be in (0, {TOLERANCE:g}]: DESIGN.md §8 fixes the bound, only a tighter one is allowed")
+        ap.error(f"--tolerance must be in (0, {TOLERANCE:g}]: docs/design.md §8 fixes the bound, only a tighter one is allowed")
     if not args.run_dir.is_dir():
         print(f"audit: {args.run_dir} is not a directory; verdict FAIL", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The tabular memory-chain experiment (DESIGN.md §7): joint training vs frozen summary, plus ablations.
+"""The tabular memory-chain experiment (docs/design.md §7): joint training vs frozen summary, plus ablations.
 
 Trains every arm × seed with :func:`crl.experiments.tabular_chain.train_run` (a compact tabular policy whose
 episodes are played by CompactionCollector and trained through the episode contract, CrossTrajectoryGAE and

@@ -1,4 +1,4 @@
-"""The evidence audit (scripts/audit.py, DESIGN.md §8): a clean run passes, every doctored run fails by name."""
+"""The evidence audit (scripts/audit.py, docs/design.md §8): a clean run passes, every doctored run fails by name."""
 import importlib.util
 import json
 import shutil
@@ -359,7 +359,7 @@ def test_not_a_directory(tmp_path, capsys):
 
 
 def test_independent_gae_matches_eq15():
-    """V ≡ 0 and one shared λ: Â_i = R (γλ)^(N_>s + n_s - 1 - i) (DESIGN.md §4, Eq. 15)."""
+    """V ≡ 0 and one shared λ: Â_i = R (γλ)^(N_>s + n_s - 1 - i) (docs/design.md §4, Eq. 15)."""
     gamma, lam, R, n, n_after = 0.99, 0.95, 2.0, 5, 7
     _, A_hat = audit.segment_gae([0.0] * n, R, n_after, lam, gamma, True)
     want = [R * (gamma * lam) ** (n_after + n - 1 - i) for i in range(n)]

@@ -1,4 +1,4 @@
-"""Compaction engine (DESIGN.md §1): trigger, forced schedule, k shrink, truncation, provenance, n_after."""
+"""Compaction engine (docs/design.md §1): trigger, forced schedule, k shrink, truncation, provenance, n_after."""
 import pytest
 
 from crl.compaction import CompactionConfig, CompactionEngine, ConfigError, Decision

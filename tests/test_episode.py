@@ -1,4 +1,4 @@
-"""Episode contract (DESIGN.md §2–§3): builder, concatenation, validator rules, flat save/load."""
+"""Episode contract (docs/design.md §2–§3): builder, concatenation, validator rules, flat save/load."""
 import pytest
 import torch
 

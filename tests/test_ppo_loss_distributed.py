@@ -1,4 +1,4 @@
-"""The token-summed loss gives the same gradient on 2 gloo ranks as on one process (DESIGN.md §5)."""
+"""The token-summed loss gives the same gradient on 2 gloo ranks as on one process (docs/design.md §5)."""
 from __future__ import annotations
 
 import os

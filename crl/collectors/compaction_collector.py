@@ -1,13 +1,13 @@
 """``CompactionCollector``: runs many text episodes at once, compacts their contexts, yields segment batches.
 
-Data flow (DESIGN.md §1–§3): environment → :class:`crl.compaction.EpisodeContext` → generation backend →
+Data flow (docs/design.md §1–§3): environment → :class:`crl.compaction.EpisodeContext` → generation backend →
 episode TensorDict (:mod:`crl.episode`), validated before it is yielded.
 
 TorchRL-style: iterate to get batches (``total_batches=-1`` never stops), call :meth:`update_policy_weights_`
 between batches, :meth:`state_dict` / :meth:`load_state_dict` to resume with the same episode ids and task order.
 
 Every loop iteration makes *one* batched generation call for all live episodes — those choosing an action and
-those writing a summary — then steps the environments. Frozen-summary mode (DESIGN.md §6) draws summaries
+those writing a summary — then steps the environments. Frozen-summary mode (docs/design.md §6) draws summaries
 from a second backend holding a frozen copy of the initial policy; those tokens get provenance
 ``FROZEN_SUMMARY`` and are not trained.
 

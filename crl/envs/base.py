@@ -1,4 +1,4 @@
-"""The console protocol shared by every text environment, and the seeded task suite (DESIGN.md §7).
+"""The console protocol shared by every text environment, and the seeded task suite (docs/design.md §7).
 
 An episode is one :class:`Task`: a stream of items the agent reveals one by one with ``next``, then a question,
 then ``submit <answer>``, checked by an exact terminal verifier. The protocol:
@@ -102,7 +102,7 @@ class TextEnv:
 
     #: Forced compaction schedule (atomic step numbers after which to compact); empty: capacity trigger only.
     compaction_steps: tuple[int, ...] = ()
-    #: Atomic steps kept verbatim after a compaction (k of DESIGN.md §1, Eq. 9).
+    #: Atomic steps kept verbatim after a compaction (k of docs/design.md §1, Eq. 9).
     keep_recent: int = 2
 
     def __init__(self, task: Task, max_steps: int, early_submit: str = "accept"):

@@ -1,4 +1,4 @@
-"""Memory chain: remember a fact shown at step 1 through ``length`` distractor steps (DESIGN.md §7).
+"""Memory chain: remember a fact shown at step 1 through ``length`` distractor steps (docs/design.md §7).
 
 The first ``next`` reveals the hidden fact, one of ``n_facts`` codes::
 

@@ -1,4 +1,4 @@
-"""Sequential records: track key/value updates through a stream of records with distractors (DESIGN.md §7).
+"""Sequential records: track key/value updates through a stream of records with distractors (docs/design.md §7).
 
 Each task is a stream of ``n_records`` records. An update record sets a key (a colour) to a one-digit value::
 

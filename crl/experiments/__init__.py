@@ -1,4 +1,4 @@
-"""Controlled experiments of DESIGN.md §7 that run on a CPU (policies, backends, gates; episodes are played by
+"""Controlled experiments of docs/design.md §7 that run on a CPU (policies, backends, gates; episodes are played by
 :class:`crl.collectors.CompactionCollector`).
 
 * :mod:`crl.experiments.tabular_chain` — the 96-step memory chain (:mod:`crl.envs.memory_chain`) with a compact

@@ -1,4 +1,4 @@
-"""The tabular memory-chain experiment: the 96-step memory chain (DESIGN.md §7) with a compact learnable
+"""The tabular memory-chain experiment: the 96-step memory chain (docs/design.md §7) with a compact learnable
 (tabular) policy, trained through crl itself.
 
 What is real and what is toy
@@ -29,7 +29,7 @@ token-summed by default).
   picks an action; after ``<summarize>`` it writes a summary token. Action logits are
   ``base[q] + q · [0, answer[v]]`` — the answer table is read only once the question has been asked (see "the
   shortcut" below); summary logits are ``summary[v]``. All other positions are context and carry log-prob 0.
-* **Protocol warm start** (as in DESIGN.md §10's prototype): ``base`` starts at ``next`` ≫ ``submit`` before the
+* **Protocol warm start** (as in docs/design.md §10's prototype): ``base`` starts at ``next`` ≫ ``submit`` before the
   question (p(next) ≈ 0.9995) and the reverse after it; ``answer`` and ``summary`` start at 0, i.e. the initial
   policy knows the console protocol but its answers ignore the context and its summaries are uniform over the
   13 summary words. Everything stays trainable.
@@ -48,8 +48,8 @@ vocabulary has no stop token: every action and summary is exactly one token (bud
 the policy never emits, is the collector's ``eos_id``.
 
 Training (one run = one arm × one seed): per iteration, the collector plays and validates a batch of episodes
-on train tasks; then the critic and :class:`CrossTrajectoryGAE`, then ``ppo_epochs`` (default 1, DESIGN.md §10) full-batch :class:`CompactionPPOLoss`
-updates with Adam. A staged curriculum (DESIGN.md §10) moves from short chains without compaction to one, two
+on train tasks; then the critic and :class:`CrossTrajectoryGAE`, then ``ppo_epochs`` (default 1, docs/design.md §10) full-batch :class:`CompactionPPOLoss`
+updates with Adam. A staged curriculum (docs/design.md §10) moves from short chains without compaction to one, two
 and finally the 96-step chain with three forced compactions, advancing when the training reward reaches a
 threshold or a stage's iteration budget is spent. Evaluation is always on held-out 96-step episodes (the
 ``dev`` split for the learning curve, the ``test`` split for the final accuracy), with sampled decisions.
@@ -421,7 +421,7 @@ class TabularRunConfig:
     """Everything one run of the tabular experiment depends on (the JSON report stores it). Not the LM
     trainer's :class:`crl.config.TrainConfig`."""
 
-    # estimator and loss (DESIGN.md §4–§6)
+    # estimator and loss (docs/design.md §4–§6)
     gamma: float = 1.0
     alpha: float = 1.5
     lambda_length: str = "segment"
@@ -737,7 +737,7 @@ _TOL = 1e-9  # float slack, so that e.g. a mean of exactly 0.95 passes
 
 
 def gate(joint: Sequence[float], frozen: Sequence[float], thresholds: dict | None = None) -> dict:
-    """The pre-registered gate (DESIGN.md §7): joint mean ≥ 95 %, every joint seed ≥ 90 %, joint − frozen ≥ 30
+    """The pre-registered gate (docs/design.md §7): joint mean ≥ 95 %, every joint seed ≥ 90 %, joint − frozen ≥ 30
     points (difference of the means). Accuracies are fractions in [0, 1].
 
     Returns ``{"verdict": "PASS"|"FAIL", "criteria": [...], "failed": [names]}``, each criterion with its name,

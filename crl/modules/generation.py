@@ -2,7 +2,7 @@
 
 The behaviour log-prob of a token is its log-probability under exactly the distribution it was drawn from:
 temperature applied, top-p truncation applied (then renormalised), for every sampled token including the
-first, and the stop token kept (DESIGN.md §9 lists how TorchRL's ``TransformersWrapper`` gets each of these
+first, and the stop token kept (docs/design.md §9 lists how TorchRL's ``TransformersWrapper`` gets each of these
 wrong, which is why crl samples with its own loop).
 
 Backends:

@@ -1,4 +1,4 @@
-"""Actor and critic (DESIGN.md §5): a ``transformers`` causal LM and the same backbone with a scalar value head.
+"""Actor and critic (docs/design.md §5): a ``transformers`` causal LM and the same backbone with a scalar value head.
 
 Models are built from configs (tiny Llama/Qwen2-style presets for CPU runs) or loaded from a *local* checkpoint
 path; nothing is fetched from a hub. Both are exposed as TorchRL ``TensorDictModule`` s over the episode keys

@@ -1,4 +1,4 @@
-"""Global loss normalisation across gradient-accumulation micro-batches and data-parallel ranks (DESIGN.md §5).
+"""Global loss normalisation across gradient-accumulation micro-batches and data-parallel ranks (docs/design.md §5).
 
 The token-summed loss (Eq. 12) divides by ``N``, the optimized-token count of the *whole* optimizer step.
 ``N`` must be known before the first micro-batch is backpropagated, so it is counted once, up front, from

@@ -1,4 +1,4 @@
-"""Functional core of the cross-trajectory GAE (paper Eqs. 13–15, DESIGN.md §4).
+"""Functional core of the cross-trajectory GAE (paper Eqs. 13–15, docs/design.md §4).
 
 Everything here is a pure tensor function on the padded episode layout of :mod:`crl.episode`
 (``[S, T]`` rows, one per segment, right padding). The TorchRL estimator in :mod:`crl.objectives.value`
@@ -50,7 +50,7 @@ _FN = "cross_trajectory_gae"
 
 
 def adaptive_lambda(length: Tensor, alpha: float) -> Tensor:
-    """Length-adaptive λ (DESIGN.md §4): ``λ = clamp(1 - 1/(α L), 0, 1)``, float64, ``λ = 0`` where ``L = 0``.
+    """Length-adaptive λ (docs/design.md §4): ``λ = clamp(1 - 1/(α L), 0, 1)``, float64, ``λ = 0`` where ``L = 0``.
 
     Args:
         length: ``[S]`` integer token counts ``L_s``.

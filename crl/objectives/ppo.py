@@ -1,4 +1,4 @@
-"""Token-summed clipped PPO for compaction segments (paper Eq. 12, DESIGN.md §5).
+"""Token-summed clipped PPO for compaction segments (paper Eq. 12, docs/design.md §5).
 
 .. math::
 

@@ -1,4 +1,4 @@
-"""TorchRL value estimator for the cross-trajectory GAE (paper Eqs. 13–15, DESIGN.md §4).
+"""TorchRL value estimator for the cross-trajectory GAE (paper Eqs. 13–15, docs/design.md §4).
 
 A thin :class:`~torchrl.objectives.value.ValueEstimatorBase` around
 :func:`crl.objectives.functional.cross_trajectory_gae`: it reads the episode TensorDict of :mod:`crl.episode`
