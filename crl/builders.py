@@ -26,6 +26,32 @@ def build_suite(cfg, stage=None):
     return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, seed=e.seed, extra_steps=e.extra_steps, early_submit=e.early_submit)
 
 
+def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_format, *, evaluation: bool = False,
+                    frozen_backend=None, rank: int = 0, world: int = 1, progress: bool = False):
+    """The :class:`~crl.collectors.CompactionCollector` of ``split`` on curriculum ``stage`` (None: the env's own task).
+
+    Training (``evaluation=False``): ``train.episodes_per_batch`` sampled tasks per batch at ``model.temperature``.
+    Evaluation: ``ceil(eval.episodes / world)`` episodes per rank, the split's tasks in order (rank ``r`` plays
+    tasks ``r, r + world, ...``), at ``eval.temperature``. ``frozen_backend``: summaries from a frozen copy (the
+    frozen-summary ablation). Shared by the trainer and ``scripts/evaluate.py``, so both play the same episodes.
+    """
+    import math
+
+    from crl.collectors import CompactionCollector
+    from crl.modules.generation import SamplingParams
+
+    suite = build_suite(cfg, stage)
+    temperature = cfg.eval.temperature if evaluation else cfg.model.temperature
+    return CompactionCollector(
+        suite, split, backend, codec.encode, codec.decode, codec.eos_id, build_compaction_config(cfg, suite),
+        episodes_per_batch=math.ceil(cfg.eval.episodes / world) if evaluation else cfg.train.episodes_per_batch,
+        sampling=SamplingParams(temperature=temperature, top_p=cfg.model.top_p, stop_token_ids=(codec.eos_id,)),
+        max_action_tokens=cfg.model.max_action_tokens, summary_backend=frozen_backend, rank=rank, world_size=world,
+        seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
+        step_timeout=cfg.env.step_timeout_s, progress=progress, engine_kwargs={"prompt_format": prompt_format},
+    )
+
+
 def build_compaction_config(cfg, suite) -> CompactionConfig:
     c = cfg.compaction
     if not c.enabled:  # the no-compaction ablation: plain long context, truncated when full
@@ -55,6 +81,7 @@ class TextCodec:
     decode: Callable[[Sequence[int]], str]
     eos_id: int
     vocab_size: int
+    tokenizer: object = None  # the transformers tokenizer behind it (saved with every checkpoint's policy)
 
 
 def build_tokenizer(cfg) -> TextCodec:
@@ -71,11 +98,12 @@ def build_tokenizer(cfg) -> TextCodec:
             lambda ids: tok.decode(list(ids), skip_special_tokens=False),
             int(tok.eos_token_id),
             len(tok),
+            tok,
         )
     from crl.modules import tokenizer as project
 
     tok = project.load_tokenizer()
-    return TextCodec(project.encode, project.decode, tok.convert_tokens_to_ids(EOS), len(tok))
+    return TextCodec(project.encode, project.decode, tok.convert_tokens_to_ids(EOS), len(tok), tok)
 
 
 def build_prompt_format(cfg, codec: TextCodec):

@@ -128,6 +128,9 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1  # torch threads per process
     precision: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU | fp32 | bf16 (needs CUDA)
+    # episodes that FAILED (an environment exception or step timeout: the infrastructure, not the policy): drop them
+    # from the learner (counted as episode/failed, kept in the evidence) | train them with reward 0
+    failed_episodes: str = "drop"
     curriculum: list = field(default_factory=list)  # list of CurriculumStage; empty: env.length throughout
 
 
@@ -204,6 +207,7 @@ CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "warm_start.summary_content": ("random", "untrained", "format"),
     "env.early_submit": ("accept", "fail"),
+    "train.failed_episodes": ("drop", "train"),
 }
 
 

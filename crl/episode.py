@@ -90,7 +90,7 @@ class SegmentKind(enum.IntEnum):
 class EpisodeStatus(enum.IntEnum):
     COMPLETED = 0  # the environment ended the task; reward from the verifier
     TRUNCATED = 1  # context budget or step limit exhausted; reward 0, still trained
-    FAILED = 2  # environment error or timeout; reward 0, still trained and audited
+    FAILED = 2  # environment error or timeout; reward 0; not trained unless train.failed_episodes=train; audited
 
 
 PAD_TOKEN_ID = 0

@@ -6,10 +6,8 @@ Layout of a run directory (every file written atomically: temp file in the same 
       config.yaml                         the resolved config of the run
       metrics.jsonl                       one JSON object per logged step
       curves.png                          learning curves, written at the end
-      checkpoints/iter_000012/            a post-update checkpoint (directory renamed into place when complete)
-        actor.pt  critic.pt               consolidated state dicts (loadable without DeepSpeed)
-        trainer_state.pt                  optimizers, schedulers, RNG states, iteration, collector state
-        meta.json                         iteration, config digest
+      checkpoints/iter_000012/            a post-update checkpoint (directory renamed into place when complete;
+        policy/  critic.safetensors ...   layout: crl/checkpoint.py)
       evidence/iter_000012/rank_0/
         rollout.pt                        the collected batch as the episode contract saves it (crl.episode)
         training.pt                       the same rows as trained: + state_value, advantage, value_target

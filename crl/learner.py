@@ -320,8 +320,11 @@ class PrefixSharedForward(TensorDictModuleBase):
                     x = torch.cat([x, x.new_zeros((x.shape[0], T - length) + tuple(x.shape[2:]))], dim=1)
                 buf.append(x)
         dummy = None
+        # two tokens: position 0's outputs are constants (nothing precedes it), position 1's come from the network, so
+        # a dummy forward also has a backward (ZeRO-3 gathers per module in backward too); a rank with no row uses pads
+        two = tokens[:1, :2] if S and T >= 2 else tokens.new_zeros((1, 2))
         for _ in range(extra):  # keep ranks in lock-step; the outputs join the graph with weight 0
-            res = self.net(tokens[:1, :1], torch.ones_like(mask[:1, :1]))
+            res = self.net(two, torch.ones_like(two))
             res = (res,) if isinstance(res, Tensor) else tuple(res)
             z = sum(x.sum() for x in res) * 0.0
             dummy = z if dummy is None else dummy + z
@@ -337,6 +340,8 @@ class PrefixSharedForward(TensorDictModuleBase):
                 full = torch.cat(buf)[idx]
                 v = valid.reshape(valid.shape + (1,) * (full.ndim - 2))
                 out = torch.where(v, full, torch.zeros((), dtype=full.dtype, device=dev))
+            elif not S:  # no row: an empty output (the per-token outputs are [S, T])
+                out = torch.zeros((0, T), device=dev)
             else:  # no valid token anywhere: what a padded forward writes
                 res = self.net(tokens, mask)
                 res = (res,) if isinstance(res, Tensor) else tuple(res)
@@ -370,29 +375,28 @@ def split_microbatches(td: TensorDictBase, n: int, *, plan: ForwardPlan | None =
         i = min(range(n), key=lambda i: (load[i], i))
         bins[i] += groups[g]
         load[i] += cost[g]
-    parts = []
-    for rows in bins:
-        if rows:
-            parts.append(td[torch.tensor(sorted(rows), dtype=torch.long)])
-        else:
-            empty = td[:1].clone()
-            empty["loss_mask"].zero_()
-            parts.append(empty)
-    return parts
+    return [td[torch.tensor(sorted(rows), dtype=torch.long)] if rows else placeholder_row(td) for rows in bins]
 
 
 def split_rows(td: TensorDictBase, n: int) -> list[TensorDictBase]:
     """The naive learner's micro-batching (``learner.prefix_sharing=false``): exactly ``n`` groups of consecutive
     rows, each padded to the batch's ``T``; an empty one is a zero-loss-mask row (DeepSpeed needs ``n`` everywhere)."""
-    parts = []
-    for idx in torch.arange(td.batch_size[0]).tensor_split(n):
-        if len(idx):
-            parts.append(td[idx])
-        else:
-            empty = td[:1].clone()
-            empty["loss_mask"].zero_()
-            parts.append(empty)
-    return parts
+    return [td[idx] if len(idx) else placeholder_row(td) for idx in torch.arange(td.batch_size[0]).tensor_split(n)]
+
+
+def placeholder_row(td: TensorDictBase) -> TensorDictBase:
+    """One row that takes part in a forward/backward and contributes nothing: ``td``'s first row with a zero loss
+    mask, or, when ``td`` has no row (a rank whose episodes all failed), a two-token row of zeros (pad tokens,
+    attention on positions 0 and 1, everything else 0: position 1's output comes from the network, so the loss has a
+    graph to backpropagate, of value 0). DeepSpeed, DDP and ZeRO-3 need the same number of micro-batches and
+    forward/backward calls on every rank."""
+    if td.batch_size[0]:
+        row = td[:1].clone()
+        row["loss_mask"].zero_()
+        return row
+    row = td.apply(lambda x: x.new_zeros((1, *x.shape[1:])), batch_size=[1])
+    row["attention_mask"][:, :2] = 1
+    return row
 
 
 def enable_gradient_checkpointing(module: nn.Module) -> int:

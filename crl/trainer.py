@@ -49,14 +49,16 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from tqdm.auto import tqdm
 
-from crl.builders import build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, curriculum_stages
-from crl.collectors import CompactionCollector
+from crl import checkpoint as ckpt_files
+from crl.builders import build_collector, build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, curriculum_stages
+from crl.collectors import CompactionCollector, episode_stats
 from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
+from crl.evaluation import evaluate_policy, evaluation_seeds
 from crl.evidence import checkpoint_dir, write_evidence
 from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, commit_dir
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, plan_forward, split_microbatches, split_rows
-from crl.modules.generation import SamplingParams, make_backend
+from crl.modules.generation import make_backend, stream_seed
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.modules.zero3 import LockstepEngineLM, copy_parameters_, zero3_init
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
@@ -101,21 +103,6 @@ def make_accelerator(cfg: Config):
 
     unset_hf_deepspeed_config()  # accelerate registers the config with transformers, whose from_config would then zero.Init
     return accelerator, ds
-
-
-def episode_stats(episodes) -> dict:
-    """Counts over one rank's :class:`~crl.collectors.compaction_collector.EpisodeSummary` list (summed over ranks later)."""
-    return {
-        "episodes": len(episodes),
-        "success": sum(e.reward > 0 for e in episodes),
-        "reward": sum(e.reward for e in episodes),
-        "completed": sum(e.status == EpisodeStatus.COMPLETED for e in episodes),
-        "truncated": sum(e.status == EpisodeStatus.TRUNCATED for e in episodes),
-        "failed": sum(e.status == EpisodeStatus.FAILED for e in episodes),
-        "compactions": sum(e.n_compactions for e in episodes),
-        "segments": sum(e.n_segments for e in episodes),
-        "steps": sum(e.n_steps for e in episodes),
-    }
 
 
 def reduce_stats(stats: dict, device: torch.device | str = "cpu") -> dict:
@@ -194,6 +181,7 @@ class Trainer:
                     f"run_dir {self.run_dir} holds a run with another config ({resume_from.name}); differing keys: "
                     + "; ".join(diff) + ". Use another run_dir, or checkpoint.resume=force to continue with the new settings"
                 )
+            self._check_resume_layout(resume_from, resume_meta)
         self.finished = resume_meta is not None and resume_meta["iteration"] >= cfg.train.iterations - 1
         self.resumed_from = resume_from
         if self.finished:  # nothing to train: no wandb run, no models beyond the check above
@@ -249,19 +237,18 @@ class Trainer:
         self.policy_loss = CompactionPPOLoss(self.actor, None, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, **ppo_kwargs)
         self.critic_loss = CompactionPPOLoss(None, self.critic, clip_value=a.clip_value, **ppo_kwargs)
 
-        # ---- samplers and collectors
-        eos = self.codec.eos_id
-        self.sampling = SamplingParams(temperature=cfg.model.temperature, top_p=cfg.model.top_p, stop_token_ids=(eos,))
-        self.eval_sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.model.top_p, stop_token_ids=(eos,))
+        # ---- samplers and collectors: one sampler stream per (run seed, stream, rank) (crl.modules.generation.stream_seed)
         seed = cfg.train.seed
         if cfg.model.backend == "transformers":
-            self.backend = make_backend("transformers", model=self.gen_lm, seed=seed * 1000 + self.rank, device=self.device)
+            self.backend = make_backend("transformers", model=self.gen_lm, seed=stream_seed(seed, "policy", self.rank), device=self.device)
         else:
-            self.backend = make_backend(cfg.model.backend, model_path=cfg.model.preset)
-        self.frozen_backend = make_backend("transformers", model=self.frozen_lm, seed=seed * 1000 + 500 + self.rank, device=self.device) if self.frozen_lm is not None else None
+            self.backend = make_backend(cfg.model.backend, model_path=cfg.model.preset, seed=stream_seed(seed, "policy", self.rank))
+        self.frozen_backend = (make_backend("transformers", model=self.frozen_lm, seed=stream_seed(seed, "frozen", self.rank), device=self.device)
+                               if self.frozen_lm is not None else None)
         self.collector = self.make_collector("train", self.stages[self.stage])
 
         self.start_iteration = 0
+        self.update_skipped = False  # set by fit() each iteration: every rank's episodes failed, no update
         self._reset_step_log()  # fit() starts a fresh one each iteration
         if resume_from is not None:
             self.resume(resume_from)
@@ -298,11 +285,35 @@ class Trainer:
     def warm_start(self) -> float:
         """Supervised protocol/format warm start of the policy (:mod:`crl.warm_start`); returns the last NLL.
 
+        Computed once. Under ZeRO-3 every rank takes part (the weights are partitioned; the stopping rule's probe is
+        averaged over the ranks, so all stop at the same step). Otherwise rank 0 computes it while the other ranks
+        wait (a barrier on a gloo group of its own, with no practical timeout: a warm start may outlast the process
+        group's), then rank 0's weights and torch RNG state are broadcast: every rank holds the same warm-started
+        policy, whatever the hardware's non-determinism.
+
         Demonstrations are scored under the full softmax (top_p=1): a likelihood of tokens outside a nucleus is -inf.
         With ``warm_start.cache_dir`` the result (weights, logged lines, torch RNG state) is reused from
         :func:`crl.warm_start.warm_start_cached` when a run with the same inputs computed it, so the run continues exactly as
         if it had computed it itself.
         """
+        if self.stage3 or self.world == 1:
+            return self._warm_start_here()
+        import datetime
+
+        waiting = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+        nll = self._warm_start_here() if self.is_main else None
+        torch.distributed.barrier(group=waiting)
+        with torch.no_grad():
+            for t in [*self.lm.parameters(), *self.lm.buffers()]:
+                torch.distributed.broadcast(t.data, src=0)
+        box = [nll, torch.get_rng_state()]
+        torch.distributed.broadcast_object_list(box, src=0, group=waiting)
+        torch.set_rng_state(box[1])
+        torch.distributed.destroy_process_group(waiting)
+        return box[0]
+
+    def _warm_start_here(self) -> float:
+        """The warm start computed by this process (every rank under ZeRO-3, rank 0 otherwise)."""
         cfg, w = self.cfg, self.cfg.warm_start
 
         def compute(log):
@@ -329,7 +340,7 @@ class Trainer:
                     self.codec.encode, self.codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
                     summary_content=w.summary_content, log=log, progress=self.is_main and cfg.logging.progress,
                     device=self.device if self.stage3 else next(self.lm.parameters()).device, prompt_format=self.prompt_format, optimizer_step=step,
-                    stop_answer_p=w.stop_answer_p, probe_every=w.probe_every,
+                    stop_answer_p=w.stop_answer_p, probe_every=w.probe_every, agree=self._mean_over_ranks if self.stage3 else None,
                 )
             finally:
                 if engine is not None:
@@ -347,9 +358,9 @@ class Trainer:
         return warm_start_cached(Path(w.cache_dir), inputs, self.lm, compute, self.logger.log, report=print if self.is_main else None)
 
     def _frozen_copy(self):
-        """The frozen-summary policy: a plain copy of the (warm-started) actor. Under ZeRO-3 it is filled one
-        module at a time from the partitioned actor, but it is a full plain model on every rank (the frozen
-        sampler does not run through an engine)."""
+        """The frozen-summary policy: a plain copy of the (warm-started) actor, the same on every rank. Under ZeRO-3 it
+        is filled one module at a time from the partitioned actor, but it is a full plain model on every rank (the
+        frozen sampler does not run through an engine)."""
         if not self.stage3:
             return copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device)
         from transformers import AutoModelForCausalLM
@@ -358,34 +369,91 @@ class Trainer:
         copy_parameters_(frozen, self.lm)
         return frozen.eval().requires_grad_(False)
 
-    def make_collector(self, split: str, stage, *, evaluation: bool = False) -> CompactionCollector:
+    def _mean_over_ranks(self, x: float) -> float:
+        """``x`` averaged over the data-parallel ranks: one value every rank decides on."""
+        return float(all_reduce_sum(torch.tensor([x], dtype=torch.float64, device=self.device))) / self.world
+
+    def make_collector(self, split: str, stage, *, evaluation: bool = False, backend=None, frozen_backend=None) -> CompactionCollector:
         """A collector of ``split`` on curriculum ``stage`` (None: the env's own task): training (sampled tasks) or
-        evaluation (tasks in order, split across ranks)."""
-        cfg = self.cfg
-        suite = build_suite(cfg, stage)
-        return CompactionCollector(
-            suite, split, self.backend, self.codec.encode, self.codec.decode, self.codec.eos_id, build_compaction_config(cfg, suite),
-            episodes_per_batch=math.ceil(cfg.eval.episodes / self.world) if evaluation else cfg.train.episodes_per_batch,
-            sampling=self.eval_sampling if evaluation else self.sampling, max_action_tokens=cfg.model.max_action_tokens,
-            summary_backend=self.frozen_backend, rank=self.rank, world_size=self.world,
-            seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
-            step_timeout=cfg.env.step_timeout_s, progress=self.is_main and cfg.logging.progress,
-            engine_kwargs={"prompt_format": self.prompt_format},
-        )
+        evaluation (tasks in order, split across ranks); :func:`crl.builders.build_collector`. ``backend`` /
+        ``frozen_backend``: the samplers (default: the training ones)."""
+        return build_collector(self.cfg, split, stage, backend or self.backend, self.codec, self.prompt_format, evaluation=evaluation,
+                               frozen_backend=frozen_backend or self.frozen_backend, rank=self.rank, world=self.world,
+                               progress=self.is_main and self.cfg.logging.progress)
+
+    def _optimizer_layout(self) -> str:
+        """How the optimizer state is stored: ``torch`` (whole on every rank) or ``deepspeed-zero{stage}`` (partitioned)."""
+        if not self.use_ds:
+            return "torch"
+        return f"deepspeed-zero{self.ds_config.get('zero_optimization', {}).get('stage', 0)}"
+
+    def _check_resume_layout(self, checkpoint: Path, meta: dict) -> None:
+        """Refuse, before any model is built, a resume this run cannot continue exactly: a checkpoint of an older
+        layout, another optimizer layout, or another world size with a partitioned (DeepSpeed ZeRO) optimizer state.
+
+        Another world size with a whole optimizer state (one process, DDP) is supported: :meth:`resume` gives every
+        rank a fresh sampler stream and an episode counter past every rollout id the earlier ranks issued.
+        """
+        if not (checkpoint / ckpt_files.POLICY_DIR).is_dir():
+            raise RunDirError(f"checkpoint {checkpoint} has the layout of an older crl (no {ckpt_files.POLICY_DIR}/); resume it with that "
+                              "version, or start a new run_dir from its weights")
+        saved, layout = meta.get("optimizer", "torch"), self._optimizer_layout()
+        if saved != layout:
+            raise RunDirError(f"checkpoint {checkpoint} holds a {saved} optimizer state and this run uses {layout}; relaunch it the way it was "
+                              f"launched, or start a new run_dir with model.preset={checkpoint / ckpt_files.POLICY_DIR}")
+        was = int(meta["world_size"])
+        if was != self.world and layout != "torch":
+            raise RunDirError(f"checkpoint {checkpoint} was written by {was} processes and this run has {self.world}: DeepSpeed ZeRO "
+                              f"partitions the optimizer state per process; relaunch with {was} processes, or start a new run_dir "
+                              f"with model.preset={checkpoint / ckpt_files.POLICY_DIR}")
 
     def resume(self, checkpoint: Path) -> None:
-        """Restore optimizers, engines, curriculum stage, collector counters and sampler RNGs from ``checkpoint``."""
+        """Restore the policy, the critic, the optimizer states, curriculum stage, collector counters and sampler and
+        RNG states from ``checkpoint`` (:mod:`crl.checkpoint`).
+
+        With another world size (a whole optimizer state only, see :meth:`_check_resume_layout`) the per-rank states
+        cannot be matched to ranks: every rank starts a fresh sampler stream (``stream_seed(seed, "policy", rank,
+        "resumed", iteration, world)``) and an episode counter ``n0 = max(n, ceil(W_old·n / W))``, where ``n`` is the
+        largest counter of the earlier ranks. Rollout ids ``rank + W·n'`` with ``n' >= n0`` are then past every id
+        issued before (all ``< W_old·n``) and no (rank, counter) pair is played twice.
+        """
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
-        self.accelerator.load_state(str(checkpoint / "accelerate"))
+        acc = self.accelerator
+        ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        shared = ("value_head.",) if self.cfg.model.share_critic_backbone else None
+        ckpt_files.load_weights_(acc.unwrap_model(self.critic_model), checkpoint / ckpt_files.CRITIC_FILE, keys=shared)
+        if self.frozen_lm is not None:
+            ckpt_files.load_weights_(self.frozen_lm, checkpoint / ckpt_files.FROZEN_POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        for name, model, opt in (("actor", self.actor_model, self.actor_opt), ("critic", self.critic_model, self.critic_opt)):
+            if self.use_ds:  # this rank's ZeRO partition; the fp32 masters come from it, the working weights from above
+                mine = torch.load(checkpoint / ckpt_files.optimizer_file(name, self.rank), map_location="cpu", weights_only=False)
+                parts = [None] * self.world
+                parts[self.rank] = mine["zero"]
+                model.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+                model.global_steps, model.global_samples, model.skipped_steps = mine["global_steps"], mine["global_samples"], mine["skipped_steps"]
+            else:
+                opt.load_state_dict(torch.load(checkpoint / ckpt_files.optimizer_file(name, None), map_location="cpu", weights_only=True))
         self.start_iteration, self.stage = state["iteration"] + 1, state["stage"]
+        was = len(state["collectors"])
+        if was == self.world:
+            counters = state["collectors"][self.rank]
+            self.backend.generator.set_state(state["generators"][self.rank]["policy"])
+            if self.frozen_backend is not None:
+                self.frozen_backend.generator.set_state(state["generators"][self.rank]["frozen"])
+            torch.set_rng_state(state["rng"][self.rank])
+        else:
+            n = max(int(c["episodes_started"]) for c in state["collectors"])
+            counters = {"episodes_started": max(n, math.ceil(was * n / self.world)),
+                        "batches_yielded": max(int(c["batches_yielded"]) for c in state["collectors"])}
+            seed, it = self.cfg.train.seed, state["iteration"]
+            self.backend = self.backend.fork(stream_seed(seed, "policy", self.rank, "resumed", it, self.world))
+            if self.frozen_backend is not None:
+                self.frozen_backend = self.frozen_backend.fork(stream_seed(seed, "frozen", self.rank, "resumed", it, self.world))
         self.collector = self.make_collector("train", self.stages[self.stage])
-        self.collector.load_state_dict(state["collectors"][self.rank])
-        self.backend.generator.set_state(state["generators"][self.rank]["policy"])
-        if self.frozen_backend is not None:
-            self.frozen_backend.generator.set_state(state["generators"][self.rank]["frozen"])
-            self.frozen_lm.load_state_dict(torch.load(checkpoint / "frozen_actor.pt", weights_only=True))
+        self.collector.load_state_dict(counters)
         if self.is_main:
-            print(f"resumed from {checkpoint} at iteration {self.start_iteration}")
+            extra = f" ({was} processes before, {self.world} now: fresh sampler streams, rollout ids continue past the earlier ones)" if was != self.world else ""
+            print(f"resumed from {checkpoint} at iteration {self.start_iteration}{extra}")
 
     # ------------------------------------------------------------------------------------------ the loop's phases
     def collect(self) -> TensorDict:
@@ -397,9 +465,19 @@ class Trainer:
         self.last_episode_stats = reduce_stats(episode_stats(self.collector.last_episodes), self.device)
         return rollout
 
+    def trainable(self, rollout: TensorDict) -> TensorDict:
+        """The rows of ``rollout`` the learner trains on: every row, or (``train.failed_episodes=drop``, the default)
+        all but those of FAILED episodes — an environment exception or step timeout is a failure of the
+        infrastructure, not of the policy. TRUNCATED episodes (context budget or step limit) are trained."""
+        if self.cfg.train.failed_episodes == "train":
+            return rollout
+        return rollout[rollout["status"] != int(EpisodeStatus.FAILED)]
+
     def compute_advantages(self, rollout: TensorDict) -> TensorDict:
-        """A copy of ``rollout`` with the critic's ``state_value`` and the estimator's ``advantage``/``value_target``."""
-        batch = rollout.clone()
+        """The :meth:`trainable` rows of ``rollout``, copied, with the critic's ``state_value`` and the estimator's
+        ``advantage``/``value_target``. A rank may end up with no row (its episodes all failed): it still takes part
+        in every collective, and the batch it returns is empty."""
+        batch = self.trainable(rollout).clone()
         with torch.no_grad():
             if self.cfg.learner.prefix_sharing:  # no graph kept: the whole batch at once, chunked by the plan
                 values = self.critic(batch.select(*self.critic.in_keys).clone())["state_value"]
@@ -457,12 +535,18 @@ class Trainer:
 
     def evaluate(self, stage=None, split: str = "dev") -> float:
         """Success rate on ``split`` (``eval.episodes`` episodes, its tasks in order, cycling when there are more
-        episodes than tasks) of curriculum ``stage`` (default: the final stage), all ranks together."""
-        col = self.make_collector(split, self.stages[-1] if stage is None else stage, evaluation=True)
+        episodes than tasks) of curriculum ``stage`` (default: the final stage), all ranks together.
+
+        Samples from a stream of its own, restarted at every call (:mod:`crl.evaluation`): the same weights always get
+        the same number, and evaluating does not move the training sampler."""
+        policy_seed, frozen_seed = evaluation_seeds(self.cfg.train.seed, self.rank)
+        frozen = self.frozen_backend.fork(frozen_seed) if self.frozen_backend is not None else None
         self.actor_model.eval()
-        col.collect()
+        counts = evaluate_policy(self.cfg, self.stages[-1] if stage is None else stage, split, self.backend.fork(policy_seed), self.codec,
+                                 self.prompt_format, frozen_backend=frozen, rank=self.rank, world=self.world,
+                                 progress=self.is_main and self.cfg.logging.progress)
         self._finish_generation()
-        stats = reduce_stats(episode_stats(col.last_episodes), self.device)
+        stats = reduce_stats(counts, self.device)
         return stats["success"] / max(stats["episodes"], 1)
 
     def stage_description(self) -> str:
@@ -550,6 +634,8 @@ class Trainer:
             "train/reward": stats["reward"] / n_ep,
             "train/truncated_frac": stats["truncated"] / n_ep,
             "train/failed_frac": stats["failed"] / n_ep,
+            "episode/failed": stats["failed"],  # all ranks; dropped from training unless train.failed_episodes=train
+            "train/update_skipped": float(self.update_skipped),
             "episode/compactions": stats["compactions"] / n_ep,
             "episode/segments": stats["segments"] / n_ep,
             "episode/steps": stats["steps"] / n_ep,
@@ -581,7 +667,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoints, evidence
     def save_checkpoint(self, iteration: int) -> Path:
-        """Consolidated weights + accelerate state, built under a temporary name and renamed when complete.
+        """The checkpoint of ``iteration`` (:mod:`crl.checkpoint`: the policy as a transformers checkpoint directory,
+        the critic, the optimizer state, the trainer state), built under a temporary name and renamed when complete.
 
         ``meta.json`` is written last and carries the SHA-256 manifest of every other file (crl/run_dir.py). The
         rename is the commit point: an evidence iteration's evidence is already on disk when it happens. On an
@@ -589,31 +676,44 @@ class Trainer:
         """
         acc, run_dir = self.accelerator, self.run_dir
         final = checkpoint_dir(run_dir, iteration)
-        tmp = final.with_name(f".{final.name}.tmp")  # one name every rank can write its shards into
+        tmp = final.with_name(f".{final.name}.tmp")  # one name every rank can write its optimizer partition into
         try:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
+                (tmp / ckpt_files.OPTIMIZER_DIR).mkdir(parents=True)
             acc.wait_for_everyone()
-            acc.save_state(str(tmp / "accelerate"))
-            actor_sd = acc.get_state_dict(self.actor_model)
+            actor_sd = acc.get_state_dict(self.actor_model)  # consolidated on rank 0 (under ZeRO-3 a collective)
             critic_sd = acc.get_state_dict(self.critic_model)
+            if self.use_ds:  # every rank writes its own ZeRO partition of each optimizer
+                for name, model in (("actor", self.actor_model), ("critic", self.critic_model)):
+                    atomic_torch_save(tmp / ckpt_files.optimizer_file(name, self.rank),
+                                      {"zero": model.optimizer.state_dict(), "global_steps": model.global_steps,
+                                       "global_samples": model.global_samples, "skipped_steps": model.skipped_steps})
             mine = {"policy": self.backend.generator.get_state(), "frozen": self.frozen_backend.generator.get_state() if self.frozen_backend else None}
-            gens, cols = [None] * self.world, [None] * self.world
+            gens, cols, rngs = [None] * self.world, [None] * self.world, [None] * self.world
             if torch.distributed.is_initialized():
                 torch.distributed.all_gather_object(gens, mine)
                 torch.distributed.all_gather_object(cols, self.collector.state_dict())
+                torch.distributed.all_gather_object(rngs, torch.get_rng_state())
             else:
-                gens, cols = [mine], [self.collector.state_dict()]
+                gens, cols, rngs = [mine], [self.collector.state_dict()], [torch.get_rng_state()]
             if self.is_main:
-                atomic_torch_save(tmp / "actor.pt", {k.removeprefix("lm."): v for k, v in actor_sd.items()})
-                atomic_torch_save(tmp / "critic.pt", critic_sd)
-                atomic_write_json(tmp / "actor_config.json", self.lm.config.to_dict())
+                tokenizer = self.codec.tokenizer
+                ckpt_files.save_model_dir(tmp / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()}, tokenizer)
+                if self.cfg.model.share_critic_backbone:  # the backbone is the policy's: store the head only
+                    critic_sd = {k: v for k, v in critic_sd.items() if k.startswith("value_head.")}
+                ckpt_files.save_weights(critic_sd, tmp / ckpt_files.CRITIC_FILE)
                 if self.frozen_lm is not None:
-                    atomic_torch_save(tmp / "frozen_actor.pt", self.frozen_lm.state_dict())
-                atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens})
+                    ckpt_files.save_model_dir(tmp / ckpt_files.FROZEN_POLICY_DIR, self.frozen_lm, self.frozen_lm.state_dict(), tokenizer)
+                if not self.use_ds:  # the whole state, the same on every rank
+                    atomic_torch_save(tmp / ckpt_files.optimizer_file("actor", None), self.actor_opt.state_dict())
+                    atomic_torch_save(tmp / ckpt_files.optimizer_file("critic", None), self.critic_opt.state_dict())
+                atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens, "rng": rngs})
+            acc.wait_for_everyone()  # every rank's optimizer partition is on disk before the manifest is taken
+            if self.is_main:
                 atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": self.stage, "world_size": self.world,
-                                                      "config": to_dict(self.cfg), "files": file_manifest(tmp)})
+                                                      "optimizer": self._optimizer_layout(), "config": to_dict(self.cfg),
+                                                      "files": file_manifest(tmp)})
                 commit_dir(tmp, final)
         except BaseException as err:
             if self.is_main:
@@ -640,6 +740,8 @@ class Trainer:
             "local_optimized_tokens": int(batch["loss_mask"].sum()),
             "critic_warmup": iteration < self.cfg.train.critic_warmup_iterations,
             "frozen_summary": a.frozen_summary,
+            "failed_episodes": self.cfg.train.failed_episodes,
+            "update_skipped": self.update_skipped,
         }
         write_evidence(self.run_dir, iteration, self.rank, rollout, batch.exclude("log_prob", "entropy"), self.step_log["grad_norms"], meta)
 
@@ -676,11 +778,17 @@ class Trainer:
                 rollout = self.collect()
                 t_learn = time.perf_counter()
                 batch = self.compute_advantages(rollout)
-                self.update_critic(batch)
-                if it >= cfg.train.critic_warmup_iterations:
-                    self.update_policy(batch, it)
+                self.update_skipped = int(all_reduce_sum(torch.tensor(batch.batch_size[0], device=self.device))) == 0
+                if self.update_skipped:  # every episode of every rank failed: nothing to learn from (and nothing to sync)
+                    if self.is_main:
+                        tqdm.write(f"iteration {it + 1}: all {int(self.last_episode_stats['episodes'])} episodes failed "
+                                   f"(environment errors or timeouts; train.failed_episodes=drop): no update this iteration")
+                else:
+                    self.update_critic(batch)
+                    if it >= cfg.train.critic_warmup_iterations:
+                        self.update_policy(batch, it)
+                    self.sync_policy_weights()
                 self.step_log["learner_s"] = time.perf_counter() - t_learn
-                self.sync_policy_weights()
 
                 log = self.iteration_metrics(batch, t0)
                 last = it == cfg.train.iterations - 1

@@ -169,6 +169,7 @@ def warm_start(
     optimizer_step: Callable[[torch.Tensor], None] | None = None,
     stop_answer_p: float | None = None,
     probe_every: int = 100,
+    agree: Callable[[float], float] | None = None,
 ) -> float:
     """Adam on :func:`nll_loss` over fresh demonstrations each step (alternately with and without compaction).
 
@@ -190,6 +191,9 @@ def warm_start(
     the warm start stops as soon as it reaches ``stop_answer_p`` (``steps`` is then the maximum). Why: reading is
     learned in a sudden drop of the NLL (from ~0.08, the answer digit at chance, to ~0.003) that came after
     ~420, ~520 and > 600 steps on the study's seeds 7, 17 and 29 at lr 1e-3 — a fixed step count fits one seed.
+    ``agree``: maps this process's probe value to the one every process decides on (the mean over the ranks when
+    several take part in one warm start, as under ZeRO-3): ranks that stopped at different steps would deadlock
+    in the next collective.
     """
     stages = list(stages)
     engines = [  # per stage: compaction-free demonstrations first (reading a visible fact is the easier skill)
@@ -219,7 +223,8 @@ def warm_start(
         line, stop = ({"warm_start/nll": loss.item()} if step % 10 == 0 else {}), False
         if stop_answer_p is not None and (step + 1) % probe_every == 0 and step != steps - 1:
             (suite, _), (_, compacting) = stages[-1], engines[-1]
-            line["warm_start/answer_p_train"] = answer_probability(actor_module, suite, compacting, encode, eos_id, device=device, split="train")
+            p = answer_probability(actor_module, suite, compacting, encode, eos_id, device=device, split="train")
+            line["warm_start/answer_p_train"] = agree(p) if agree is not None else p
             stop = line["warm_start/answer_p_train"] >= stop_answer_p
         if log is not None and line and step != steps - 1:  # the last step's line is the final one below
             log(line, step - steps)

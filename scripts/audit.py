@@ -26,11 +26,16 @@ Layout assumed (written by the trainer; the evidence part is ``crl/evidence.py``
                                           warm-up iteration; its actor list must then be empty
                                           "frozen_summary": bool (optional, default false): the run is the
                                           frozen-summary ablation (equal in every meta of the run)
-      checkpoints/iter_MMMMMM/            post-update checkpoint, M >= N
-        actor.pt                          state dict of the transformers causal LM
-        actor_config.json                 the HF config's to_dict() (rebuilt by AutoConfig.for_model(**cfg))
-        critic.pt                         state dict of crl.modules.models.ValueModel: backbone.* (the
-                                          AutoModel.from_config(config) backbone) + value_head.weight/bias
+                                          "failed_episodes": "drop" | "train" (optional, default "train"): what
+                                          the learner does with FAILED episodes (equal in every meta of the run)
+                                          "update_skipped": bool (optional, default false): every episode of the
+                                          iteration failed and nothing was trained
+      checkpoints/iter_MMMMMM/            post-update checkpoint, M >= N (crl/checkpoint.py)
+        policy/                           a transformers checkpoint directory of the policy (config.json,
+                                          model.safetensors, tokenizer): AutoModelForCausalLM.from_pretrained
+        critic.safetensors                state dict of crl.modules.models.ValueModel: backbone.* (the
+                                          AutoModel.from_config(policy config) backbone) + value_head.weight/bias
+                                          (only value_head.* when the critic shares the policy's backbone)
         meta.json                         {"iteration": M, ...}
 
 Rows are matched across files by ``(rollout_id, segment_index)``; the rows of one iteration are the union over
@@ -40,9 +45,11 @@ its ranks (segments of one rollout may sit on different ranks). Checks (names as
   files; meta.json matches its directory; estimator settings complete and equal across ranks; files load.
 * ``rollout_training_agree``: rows in both files agree on tokens, provenance, loss_mask, sample_log_prob and the
   per-segment fields.
-* ``trainable_set_complete``: every rollout of rollout.pt (TRUNCATED and FAILED included) is in training.pt with
-  all its segments (indices 0..n-1); no training row without a rollout row; no row trained twice. Reports the
-  completion statistics (success rate over COMPLETED) and the trainable set separately.
+* ``trainable_set_complete``: every rollout of rollout.pt that the run trains is in training.pt with all its
+  segments (indices 0..n-1): TRUNCATED always, FAILED when meta ``failed_episodes`` is ``train``; with ``drop`` no
+  FAILED rollout has a row in training.pt; an iteration marked ``update_skipped`` has only FAILED rollouts and an
+  empty training.pt. No training row without a rollout row; no row trained twice. Reports the completion
+  statistics (success rate over COMPLETED), the dropped rollouts and the trainable set separately.
 * ``siblings_share_reward_status``: rows of one rollout share reward, status and rollout_length; truncated /
   failed rollouts have reward 0; a rollout id is not reused by another iteration.
 * ``execution_summary_execution_path``: some rollout has segments EXECUTION, SUMMARY, EXECUTION consecutively
@@ -57,11 +64,13 @@ its ranks (segments of one rollout may sit on different ranks). Checks (names as
 * ``advantages_value_targets``: recomputed by the plain per-segment loop below (not crl.objectives) and within
   the tolerance (max abs error reported); advantage and value target exactly 0 off the loss mask.
 * ``grad_norms``: every actor and critic entry finite and >= 0; both non-empty, except the actor list of a
-  critic warm-up iteration (meta ``critic_warmup: true``), which must be empty; the run holds >= 1 actor entry,
+  critic warm-up iteration (meta ``critic_warmup: true``), which must be empty, and both lists of an
+  ``update_skipped`` iteration, which must be empty; the run holds >= 1 actor entry,
   and >= 1 positive actor and critic entry. A single 0 is legitimate: a minibatch whose optimized tokens all have
   advantage 0 (every reward 0 while the critic still outputs exactly 0, its zero-initialised head) has gradient 0.
 * ``checkpoint``: the checkpoint of every evidence meta exists inside RUN_DIR, its iteration >= the evidence's,
-  actor and critic load with strict=True and every parameter is finite.
+  the policy loads with ``AutoModelForCausalLM.from_pretrained`` with no missing or unexpected weight, the critic
+  with strict=True, and every parameter is finite.
 * ``files_manifest``: rollout, training, gradient, meta and checkpoint files listed with size and SHA-256.
 """
 from __future__ import annotations
@@ -83,7 +92,7 @@ from crl.io import sha256_file
 
 TOLERANCE = 5e-5
 EVIDENCE_FILES = ("rollout.pt", "training.pt", "grad_norms.json", "meta.json")
-CHECKPOINT_FILES = ("actor.pt", "actor_config.json", "critic.pt", "meta.json")
+CHECKPOINT_FILES = ("policy/config.json", "policy/model.safetensors", "critic.safetensors", "meta.json")
 ESTIMATOR_KEYS = ("gamma", "alpha", "lmbda", "lambda_length", "cross_trajectory", "value_target", "boundary", "whiten")
 ROW_KEYS = ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "reward", "status",
             "tokens", "provenance", "attention_mask", "loss_mask", "sample_log_prob")
@@ -256,6 +265,7 @@ class Audit:
         self.estimator: dict[int, dict] = {}
         self.files: list[dict] = []
         self.frozen_summary = False  # every evidence meta says frozen_summary: true
+        self.failed_episodes = "train"  # evidence meta failed_episodes (older evidence: every episode trained)
 
     # -- bookkeeping -----------------------------------------------------------------------------------------
 
@@ -318,7 +328,7 @@ class Audit:
                         est.append({k: e[k] for k in ESTIMATOR_KEYS})
                     if not isinstance(meta.get("checkpoint"), str):
                         problems.append(f"{where}/meta.json: no 'checkpoint' path")
-                    for flag in ("critic_warmup", "frozen_summary"):
+                    for flag in ("critic_warmup", "frozen_summary", "update_skipped"):
                         if flag in meta and not isinstance(meta[flag], bool):
                             problems.append(f"{where}/meta.json: {flag!r} must be true or false, got {meta[flag]!r}")
                 for fname, training, store in (("rollout.pt", False, self.roll), ("training.pt", True, self.train)):
@@ -338,9 +348,14 @@ class Audit:
                     problems.append(f"{ip.name}: estimator settings differ between ranks")
                 self.estimator[it] = est[0]
         for it in ranks_seen:
+            skipped = any(m.get("update_skipped") is True for (i, _), m in self.meta.items() if i == it)
             for name, store in (("rollout.pt", self.roll), ("training.pt", self.train)):
-                if not store.get(it):
+                if not store.get(it) and not (skipped and name == "training.pt"):
                     problems.append(f"iter_{it:06d}: {name} holds no rows on any rank")
+        policies = {m.get("failed_episodes", "train") for m in self.meta.values()}
+        if not policies <= {"drop", "train"} or len(policies) > 1:
+            problems.append(f"failed_episodes must be one of drop/train and equal in every evidence meta.json, got {sorted(map(str, policies))}")
+        self.failed_episodes = next(iter(policies)) if len(policies) == 1 else "train"
         frozen = {m.get("frozen_summary", False) is True for m in self.meta.values()}
         if len(frozen) > 1:
             problems.append("frozen_summary is true in some evidence meta.json and not in others: one run is one arm")
@@ -394,12 +409,14 @@ class Audit:
         stats = {"collected": {}, "trainable": {}}
         n_roll = {s.name: 0 for s in EpisodeStatus}
         n_train = {s.name: 0 for s in EpisodeStatus}
-        n_train_segments, completed_rewards = 0, []
+        n_train_segments, completed_rewards, dropped = 0, [], 0
+        drop = self.failed_episodes == "drop"
         for it in sorted(set(self.roll) | set(self.train)):
             roll, dups_r = self._index(self.roll.get(it, []), True)
             train, dups_t = self._index(self.train.get(it, []), False)
             problems += [f"iter {it}: rollout.pt rows conflict: {d}" for d in dups_r]
             problems += [f"iter {it}: row trained twice: {d}" for d in dups_t]
+            skipped = any(m.get("update_skipped") is True for (i, _), m in self.meta.items() if i == it)
             by_rollout: dict[int, list[Row]] = {}
             for row in roll.values():
                 by_rollout.setdefault(row.rid, []).append(row)
@@ -412,9 +429,19 @@ class Audit:
                 n_roll[name] = n_roll.get(name, 0) + 1
                 if status == int(EpisodeStatus.COMPLETED):
                     completed_rewards.append(rows[0].reward)
+                failed = status == int(EpisodeStatus.FAILED)
+                present = [r.seg for r in sorted(rows, key=lambda r: r.seg) if r.key in train]
                 absent = [r.seg for r in sorted(rows, key=lambda r: r.seg) if r.key not in train]
-                if absent:
+                if skipped and not failed:
+                    problems.append(f"iter {it}: marked update_skipped (every episode failed) but rollout {rid} is {name}")
+                if failed and drop:
+                    dropped += 1
+                    if present:
+                        problems.append(f"iter {it} rollout {rid} (FAILED): segments {present} are in training.pt although failed_episodes=drop")
+                elif absent and not skipped:
                     problems.append(f"iter {it} rollout {rid} ({name}): segments {absent} are not in training.pt")
+            if skipped and train:
+                problems.append(f"iter {it}: marked update_skipped but training.pt holds {len(train)} rows")
             train_rollouts = {}
             for row in train.values():
                 train_rollouts.setdefault(row.rid, row.status)
@@ -432,10 +459,13 @@ class Audit:
             "success_rate_over_completed": (sum(r > 0 for r in completed_rewards) / completed) if completed else None,
             "mean_reward_over_completed": (sum(completed_rewards) / completed) if completed else None,
         }
+        stats["failed_episodes"] = self.failed_episodes
+        stats["dropped_failed_rollouts"] = dropped
         stats["trainable"] = {"rollouts": sum(n_train.values()), "segments": n_train_segments, "by_status": n_train}
         stats["problems"] = first(problems, 20)
+        rule = f"{dropped} FAILED dropped (failed_episodes=drop), the rest" if drop else "all"
         detail = "; ".join(first(problems, 3)) or (
-            f"{total} collected rollouts ({n_roll}) all trained; trainable set {stats['trainable']['rollouts']} "
+            f"{total} collected rollouts ({n_roll}): {rule} trained; trainable set {stats['trainable']['rollouts']} "
             f"rollouts / {n_train_segments} segments")
         return not problems and total > 0, stats, detail
 
@@ -694,6 +724,10 @@ class Audit:
                     problems.append(f"{where}: no list {k!r}")
                     continue
                 warmup = self.meta.get((it, r), {}).get("critic_warmup") is True
+                if self.meta.get((it, r), {}).get("update_skipped") is True:  # nothing trained: nothing may be listed
+                    if vals:
+                        problems.append(f"{where}: meta.json says update_skipped but {len(vals)} {k} gradient norms are listed")
+                    continue
                 if not vals and not (k == "actor" and warmup):
                     problems.append(f"{where}: {k!r} is empty" + ("" if k != "actor" else
                                     " (and meta.json does not say critic_warmup: true)"))
@@ -716,26 +750,32 @@ class Audit:
             "; ".join(first(problems, 3)) or f"{counts} entries, all finite and in [{lo:.3g}, {hi:.3g}]")
 
     def _load_checkpoint(self, path: Path) -> dict:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        from safetensors.torch import load_file
+        from transformers import AutoModel, AutoModelForCausalLM
 
         from crl.modules.models import ValueModel
 
         info = {}
-        cfg = json.loads((path / "actor_config.json").read_text())
-        config = AutoConfig.for_model(**cfg)
-        actor = AutoModelForCausalLM.from_config(config)
-        sd = torch.load(path / "actor.pt", map_location="cpu", weights_only=True)
-        actor.load_state_dict(sd, strict=True)
-        critic = ValueModel(AutoModel.from_config(config), config.hidden_size)
-        csd = torch.load(path / "critic.pt", map_location="cpu", weights_only=True)
-        critic.load_state_dict(csd, strict=True)
+        actor, loading = AutoModelForCausalLM.from_pretrained(path / "policy", local_files_only=True, output_loading_info=True)
+        bad_keys = {k: sorted(v)[:5] for k, v in loading.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad_keys:
+            raise ValueError(f"policy/ does not load exactly: {bad_keys}")
+        sd = actor.state_dict()
+        critic = ValueModel(AutoModel.from_config(actor.config), actor.config.hidden_size)
+        csd = load_file(str(path / "critic.safetensors"))
+        if all(k.startswith("value_head.") for k in csd):  # the critic shares the policy's backbone: its head only
+            missing, unexpected = critic.load_state_dict(csd, strict=False)
+            if unexpected or any(k.startswith("value_head.") for k in missing):
+                raise ValueError(f"critic.safetensors: value head does not load (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        else:
+            critic.load_state_dict(csd, strict=True)
         for name, model, state in (("actor", actor, sd), ("critic", critic, csd)):
             bad = [k for k, v in state.items() if torch.is_floating_point(v) and not torch.isfinite(v).all()]
             bad += [k for k, v in model.named_parameters() if not torch.isfinite(v).all()]
             if bad:
                 raise ValueError(f"{name}: non-finite parameters {sorted(set(bad))[:5]}")
             info[f"{name}_parameters"] = sum(p.numel() for p in model.parameters())
-        info["model_type"] = cfg.get("model_type")
+        info["model_type"] = actor.config.model_type
         return info
 
     def check_checkpoint(self):
@@ -816,7 +856,7 @@ class Audit:
             for f in CHECKPOINT_FILES:
                 add(cp / f, "checkpoint", True)
             if cp.is_dir():
-                for extra in sorted(p for p in cp.iterdir() if p.is_file() and p.name not in CHECKPOINT_FILES):
+                for extra in sorted(p for p in cp.rglob("*") if p.is_file() and p.relative_to(cp).as_posix() not in CHECKPOINT_FILES):
                     add(extra, "checkpoint", False)
         for f in ("config.yaml", "metrics.jsonl"):
             add(self.run / f, "run", False)

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
-"""Evaluate a finished run's checkpoint with more episodes, or on another split, than its training-time evaluation.
+"""Evaluate a run's checkpoint with more episodes, or on another split, than its training-time evaluation.
 
     python scripts/evaluate.py RUN_DIR [--checkpoint DIR] [--split dev|test] [--episodes 240] [--out FILE]
 
-The run's own ``config.yaml`` is rebuilt into a :class:`crl.trainer.Trainer` in a scratch directory (no warm start:
-the weights come from the checkpoint), the checkpoint's ``actor.pt`` (and ``frozen_actor.pt`` for a frozen-summary
-run) is loaded, and :meth:`Trainer.evaluate` plays ``--episodes`` episodes of the split's tasks in order on the
-final curriculum stage — the same code path as the run's ``dev/success``. With 240 episodes on the 60 dev tasks
-each task is played 4 times, so the binomial standard error at p = 0.9 falls from 0.039 to 0.019.
+Loads only what an evaluation needs: the run's ``config.yaml`` (task, compaction, prompt format, sampling) and the
+checkpoint's ``policy/`` — a standard transformers checkpoint with its tokenizer, whatever the run trained with
+(one process, DDP, DeepSpeed ZeRO-2 or ZeRO-3) — plus ``frozen_policy/`` for a frozen-summary run. No trainer, no
+critic, no optimizer, no run-directory lock: it can evaluate a run that is still training. Episodes are played by
+:func:`crl.evaluation.evaluate_policy`, the code path of the run's own ``dev/success``, each training rank's share
+with that rank's evaluation seeds, so with ``--episodes`` equal to the run's ``eval.episodes`` it reproduces the
+number the run logged for that checkpoint exactly. With 240 episodes on the 60 dev tasks each task is played 4
+times, so the binomial standard error at p = 0.9 falls from 0.039 to 0.019.
 
 Prints and writes (atomically, default ``RUN_DIR/eval_SPLIT_EPISODES.json``)::
 
@@ -18,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: str = "dev", episodes: int = 240):
-    """``(report, trainer)``: the report above, and the trainer holding the evaluated weights."""
-    import torch
-
-    from crl.builders import build_suite
+def load_policy(run_dir: Path, checkpoint: Path | None = None, episodes: int = 240):
+    """``(cfg, checkpoint, meta, codec, prompt_format, lm, frozen_lm)`` of a run's checkpoint (default: the newest
+    intact one): the run's config with ``model.preset`` = the checkpoint's ``policy/``, and the models in eval mode."""
+    from crl import checkpoint as ckpt_files
+    from crl.builders import build_prompt_format, build_tokenizer
     from crl.config import load_config
+    from crl.modules.models import build_causal_lm
     from crl.run_dir import newest_intact_checkpoint, verify_checkpoint
-    from crl.trainer import Trainer
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -46,26 +47,43 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
     problem = verify_checkpoint(checkpoint)
     if problem:
         raise SystemExit(f"evaluate: checkpoint {checkpoint} is not intact: {problem}")
+    if not (checkpoint / ckpt_files.POLICY_DIR).is_dir():
+        raise SystemExit(f"evaluate: checkpoint {checkpoint} has no {ckpt_files.POLICY_DIR}/ (written by an older crl)")
     meta = json.loads((checkpoint / "meta.json").read_text())
-    scratch = tempfile.mkdtemp(prefix="crl_eval_")
-    cfg = load_config(run_dir / "config.yaml", [f"run_dir={scratch}", "warm_start.enabled=false", f"eval.episodes={episodes}",
-                                                "checkpoint.resume=never", "logging.wandb_mode=disabled", "logging.progress=false"])
+    cfg = load_config(run_dir / "config.yaml", [f"model.preset={checkpoint / ckpt_files.POLICY_DIR}", f"eval.episodes={episodes}",
+                                                "logging.wandb_mode=disabled", "logging.progress=false"])
+    codec = build_tokenizer(cfg)  # the checkpoint's own tokenizer
+    prompt_format = build_prompt_format(cfg, codec)
+    C = cfg.compaction.context_capacity
+    load = lambda path: build_causal_lm(str(path), vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id).eval()  # noqa: E731
+    lm = load(checkpoint / ckpt_files.POLICY_DIR)
+    frozen = load(checkpoint / ckpt_files.FROZEN_POLICY_DIR) if cfg.algo.frozen_summary else None
+    return cfg, checkpoint, meta, codec, prompt_format, lm, frozen
+
+
+def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: str = "dev", episodes: int = 240) -> dict:
+    """The report above. Every training rank's share is played here in turn, with that rank's evaluation seeds."""
+    import torch
+
+    from crl.builders import build_suite, curriculum_stages
+    from crl.evaluation import evaluate_policy, evaluation_seeds
+    from crl.modules.generation import TransformersBackend
+
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    try:
-        trainer.lm.load_state_dict(torch.load(checkpoint / "actor.pt", weights_only=True))
-        if trainer.frozen_lm is not None:
-            trainer.frozen_lm.load_state_dict(torch.load(checkpoint / "frozen_actor.pt", weights_only=True))
-        success = trainer.evaluate(split=split)
-    finally:
-        trainer.logger.close()
-        trainer._release_lock()
-        shutil.rmtree(scratch, ignore_errors=True)
-    n_tasks = len(build_suite(cfg, trainer.stages[-1]).tasks(split))
-    report = {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split,
-              "episodes": episodes, "tasks": n_tasks, "success": success, "successes": round(success * episodes),
-              "stderr": math.sqrt(max(success * (1 - success), 0.0) / episodes), "wall_s": round(time.perf_counter() - t0, 1)}
-    return report, trainer
+    cfg, checkpoint, meta, codec, prompt_format, lm, frozen = load_policy(run_dir, checkpoint, episodes)
+    torch.set_num_threads(cfg.train.threads)
+    stage = curriculum_stages(cfg)[-1]
+    world = int(meta["world_size"])
+    counts = {}
+    for rank in range(world):
+        policy_seed, frozen_seed = evaluation_seeds(cfg.train.seed, rank)
+        mine = evaluate_policy(cfg, stage, split, TransformersBackend(lm, seed=policy_seed), codec, prompt_format, rank=rank, world=world,
+                               frozen_backend=TransformersBackend(frozen, seed=frozen_seed) if frozen is not None else None)
+        counts = {k: counts.get(k, 0) + v for k, v in mine.items()}
+    n, success = counts["episodes"], counts["success"] / max(counts["episodes"], 1)
+    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split,
+            "episodes": n, "tasks": len(build_suite(cfg, stage).tasks(split)), "success": success, "successes": int(counts["success"]),
+            "stderr": math.sqrt(max(success * (1 - success), 0.0) / n), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None) -> None:
@@ -80,7 +98,7 @@ def main(argv=None) -> None:
         ap.error("--episodes must be >= 1")
     from crl.io import atomic_write_json
 
-    report, _ = evaluate_checkpoint(args.run_dir, args.checkpoint, args.split, args.episodes)
+    report = evaluate_checkpoint(args.run_dir, args.checkpoint, args.split, args.episodes)
     atomic_write_json(args.out or args.run_dir / f"eval_{args.split}_{args.episodes}.json", report)
     print(json.dumps(report))
 

@@ -25,6 +25,7 @@ from crl.episode import (
     save_episodes,
     validate_episodes,
 )
+from crl.checkpoint import save_model_dir, save_weights
 from crl.evidence import checkpoint_dir, evidence_dir, write_evidence
 from crl.io import atomic_dir, atomic_write_json
 from crl.objectives.functional import cross_trajectory_gae, masked_whiten, next_segment_start_value
@@ -124,9 +125,8 @@ def make_run(run_dir, *, seed: int = 0, estimator: dict | None = None, world_siz
     actor = build_causal_lm("llama-tiny", vocab_size=VOCAB, max_positions=64)
     critic = ValueModel.from_actor(actor)
     with atomic_dir(checkpoint_dir(run_dir, iteration)) as tmp:
-        torch.save(actor.state_dict(), tmp / "actor.pt")
-        atomic_write_json(tmp / "actor_config.json", actor.config.to_dict())
-        torch.save(critic.state_dict(), tmp / "critic.pt")
+        save_model_dir(tmp / "policy", actor, actor.state_dict())
+        save_weights(critic.state_dict(), tmp / "critic.safetensors")
         atomic_write_json(tmp / "meta.json", {"iteration": iteration})
         torch.save({"iteration": iteration}, tmp / "trainer_state.pt")
     (run_dir / "config.yaml").write_text("estimator: {}\n".format(json.dumps(est)))

@@ -94,10 +94,10 @@ def test_cli_clean_run_passes(run):
         for name in ("rollout.pt", "training.pt", "grad_norms.json", "meta.json"):
             f = files[f"evidence/iter_{ITERATION:06d}/rank_{r}/{name}"]
             assert f["bytes"] > 0 and len(f["sha256"]) == 64
-    for name in ("actor.pt", "critic.pt", "actor_config.json", "meta.json"):
+    for name in ("policy/model.safetensors", "policy/config.json", "critic.safetensors", "meta.json"):
         assert f"checkpoints/iter_{ITERATION:06d}/{name}" in files
     md = (run / "audit.md").read_text()
-    assert "Evidence audit: PASS" in md and files[f"checkpoints/iter_{ITERATION:06d}/actor.pt"]["sha256"] in md
+    assert "Evidence audit: PASS" in md and files[f"checkpoints/iter_{ITERATION:06d}/policy/model.safetensors"]["sha256"] in md
 
 
 @pytest.mark.parametrize(
@@ -231,20 +231,59 @@ def test_stale_checkpoint_fails(run, capsys):
     assert_fails(run, "checkpoint", capsys)
 
 
-def test_checkpoint_that_does_not_load_fails(run, capsys):
-    path = run / "checkpoints" / f"iter_{ITERATION:06d}" / "critic.pt"
-    sd = torch.load(path, weights_only=True)
-    sd.pop("value_head.bias")
-    torch.save(sd, path)
+@pytest.mark.parametrize("file, key", [("critic.safetensors", "value_head.bias"), ("policy/model.safetensors", "model.norm.weight")])
+def test_checkpoint_that_does_not_load_fails(run, capsys, file, key):
+    from safetensors.torch import load_file, save_file
+
+    path = run / "checkpoints" / f"iter_{ITERATION:06d}" / file
+    sd = load_file(str(path))
+    sd.pop(key)
+    save_file(sd, str(path))
     assert_fails(run, "checkpoint", capsys)
 
 
 def test_non_finite_parameter_fails(run, capsys):
-    path = run / "checkpoints" / f"iter_{ITERATION:06d}" / "actor.pt"
-    sd = torch.load(path, weights_only=True)
+    from safetensors.torch import load_file, save_file
+
+    path = run / "checkpoints" / f"iter_{ITERATION:06d}" / "policy" / "model.safetensors"
+    sd = load_file(str(path))
     next(v for k, v in sd.items() if v.is_floating_point())[0] = float("inf")
-    torch.save(sd, path)
+    save_file(sd, str(path))
     assert_fails(run, "checkpoint", capsys)
+
+
+def _drop_failed(td):
+    return td[td["status"] != int(EpisodeStatus.FAILED)]
+
+
+def test_failed_episodes_drop_rule(run, capsys):
+    """meta failed_episodes=drop: the evidence's FAILED rollout must not be in training.pt (it is, in the factory's
+    run, which trained every episode); once its rows are removed from training.pt the audit passes."""
+    for r in (0, 1):
+        edit_json(ev(run, r) / "meta.json", lambda m: dict(m, failed_episodes="drop"))
+    rep = assert_fails(run, "trainable_set_complete", capsys)
+    assert "failed_episodes=drop" in check(rep, "trainable_set_complete")["detail"]
+    for r in (0, 1):
+        edit_rows(run, r, "training.pt", _drop_failed)
+    rc, rep, out = do_audit(run, capsys)
+    assert rc == 0 and "audit: PASS" in out, out
+    assert check(rep, "trainable_set_complete")["measured"]["dropped_failed_rollouts"] == 1
+
+
+def test_failed_episodes_train_rule_needs_the_failed_rollout(run, capsys):
+    """With failed_episodes=train (the default of evidence that does not say), a FAILED rollout left out fails."""
+    for r in (0, 1):
+        edit_rows(run, r, "training.pt", _drop_failed)
+    assert_fails(run, "trainable_set_complete", capsys)
+
+
+def test_update_skipped_iteration_must_train_nothing(run, capsys):
+    """meta update_skipped: true is only consistent with an iteration whose every rollout FAILED and nothing trained."""
+    for r in (0, 1):
+        edit_json(ev(run, r) / "meta.json", lambda m: dict(m, update_skipped=True))
+    rep = assert_fails(run, "trainable_set_complete", capsys)
+    assert "update_skipped" in check(rep, "trainable_set_complete")["detail"]
+    assert "grad_norms" in rep["failed"]
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])

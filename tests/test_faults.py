@@ -32,6 +32,7 @@ from crl.episode import (
     SegmentKind,
     build_episode,
     concat_episodes,
+    load_episodes,
     validate_episodes,
 )
 
@@ -783,9 +784,9 @@ def test_cli_second_run_exits_non_zero_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("victim", ["trainer_state.pt", "actor.pt", "accelerate/model.safetensors", "meta.json"])
+@pytest.mark.parametrize("victim", ["trainer_state.pt", "policy/model.safetensors", "critic.safetensors", "optimizer/actor.pt", "meta.json"])
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, victim, capsys):
-    """Row: a truncated trainer_state.pt / accelerate safetensors / actor.pt gave a raw traceback or went unnoticed."""
+    """Row: a truncated trainer_state.pt / model safetensors / optimizer state gave a raw traceback or went unnoticed."""
     run = tmp_path / "run"
     fit(run, "train.iterations=2", "checkpoint.every=1")
     bad = run / "checkpoints" / "iter_000001" / victim
@@ -914,3 +915,93 @@ def test_bf16_without_cuda_is_refused_before_writing(tmp_path):
     with pytest.raises(ConfigValidationError, match="train.precision"):
         Trainer(cfg)
     assert not (tmp_path / "never").exists()
+
+
+class _FailingTrainEnvs:
+    """Patches crl.builders.build_suite: a train-split env raises at its second step when ``fails(n)`` is true for the
+    n-th train episode made (dev/test episodes never fail). The tool crashing is the infrastructure's fault."""
+
+    def __init__(self, monkeypatch, fails):
+        import crl.builders as builders
+        import crl.trainer  # noqa: F401  (imported first: its warm start keeps the real suites, only collectors get these)
+
+        real, self.made = builders.build_suite, 0
+
+        def build_suite(cfg, stage=None):
+            suite = real(cfg, stage)
+            make_env = suite.make_env
+
+            def faulty(task):
+                env = make_env(task)
+                if task.split != "train":
+                    return env
+                self.made += 1
+                return _faults["FaultyEnv"](env, "raise", 2) if fails(self.made - 1) else env
+
+            suite.make_env = faulty
+            return suite
+
+        monkeypatch.setattr(builders, "build_suite", build_suite)
+
+
+def _audit(run_dir):
+    proc = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "audit: PASS" in proc.stdout, proc.stdout + proc.stderr
+    return json.loads((Path(run_dir) / "audit.json").read_text())
+
+
+def _statuses_of(path):
+    td = load_episodes(path)
+    return {int(r): int(s) for r, s in zip(td["rollout_id"], td["status"])}
+
+
+@pytest.mark.parametrize("policy", ["drop", "train"])
+def test_infrastructure_failures_are_dropped_not_trained(tmp_path, monkeypatch, policy):
+    """Row: an environment exception ended the episode FAILED with reward 0 and that episode was trained, pushing the
+    policy away from whatever it did when the tool crashed. Default train.failed_episodes=drop: FAILED episodes stay in
+    the evidence (rollout.pt) and are counted (episode/failed), but never reach the estimator, the normaliser or
+    training.pt; truncated episodes are still trained. =train keeps the old behaviour. The audit checks the rule."""
+    _FailingTrainEnvs(monkeypatch, lambda n: n % 2 == 1)  # every other train episode crashes
+    overrides = ["train.iterations=1", "train.episodes_per_batch=6", "warm_start.steps=20", "checkpoint.evidence_every=1", "model.value_head_init=normal"]
+    trainer = fit(tmp_path / "run", *overrides, *([] if policy == "drop" else ["train.failed_episodes=train"]))
+    ev = tmp_path / "run" / "evidence" / "iter_000000" / "rank_0"
+    collected, trained = _statuses_of(ev / "rollout.pt"), _statuses_of(ev / "training.pt")
+    failed = {r for r, s in collected.items() if s == int(EpisodeStatus.FAILED)}
+    assert len(failed) == 3 and len(collected) == 6
+    if policy == "drop":
+        assert set(trained) == set(collected) - failed
+    else:
+        assert set(trained) == set(collected)
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["episode/failed"] == 3 and last["train/failed_frac"] == 0.5 and last["train/update_skipped"] == 0.0
+    # the normaliser of every step counted the trained rows only
+    meta = json.loads((ev / "meta.json").read_text())
+    tokens = int(load_episodes(ev / "training.pt")["loss_mask"].sum())
+    assert meta["failed_episodes"] == policy and all(n["num_tokens"] == tokens for n in meta["normalizers"]["critic"])
+    rep = _audit(tmp_path / "run")
+    trainable = next(c for c in rep["checks"] if c["name"] == "trainable_set_complete")["measured"]
+    assert trainable["dropped_failed_rollouts"] == (3 if policy == "drop" else 0)
+    trainer.close()
+
+
+def test_an_iteration_whose_every_episode_failed_skips_the_update(tmp_path, monkeypatch, capsys):
+    """Row: a batch of only failed episodes would train on nothing. Iteration 1 is normal; in iteration 2 every train
+    episode crashes: the trainer says so, skips the critic and policy updates (no gradient norm, weights unchanged),
+    logs train/update_skipped, keeps the evidence, and the run audits PASS."""
+    _FailingTrainEnvs(monkeypatch, lambda n: n >= 4)
+    trainer = fit(tmp_path / "run", "train.iterations=2", "warm_start.steps=20", "checkpoint.evidence_every=1", "checkpoint.every=1", "model.value_head_init=normal",
+                  "checkpoint.keep_last=2")
+    assert "iteration 2: all 4 episodes failed" in capsys.readouterr().out
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/update_skipped"] for r in recs if r["step"] > 0] == [0.0, 1.0]
+    assert "grad_norm/actor" not in recs[-1] and recs[-1]["episode/failed"] == 4
+    ev = tmp_path / "run" / "evidence" / "iter_000001" / "rank_0"
+    assert json.loads((ev / "grad_norms.json").read_text()) == {"actor": [], "critic": []}
+    assert load_episodes(ev / "training.pt").batch_size[0] == 0 and len(_statuses_of(ev / "rollout.pt")) == 4
+    from safetensors.torch import load_file
+
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("iter_*"))
+    w0, w1 = (load_file(str(c / "policy" / "model.safetensors")) for c in ckpts)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # no update
+    _audit(tmp_path / "run")
+    trainer.close()

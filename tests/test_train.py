@@ -85,14 +85,14 @@ def test_zero3_builds_partitioned_and_trains_like_zero2(tmp_path):
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     args = ("train.iterations=2", "warm_start.steps=20", "train.episodes_per_batch=6", f"model.preset={ckpt}")
     runs = {}
-    for stage, port, script in ((2, 29551, "scripts/train.py"), (3, 29553, "tests/_zero3_probe.py")):
+    for stage, port, script in ((2, 29551, "scripts/train.py"), (3, 29553, "tests/_rank_probe.py")):
         runs[stage] = tmp_path / f"zero{stage}"
         cmd = train_cmd(runs[stage], *args)
         cmd[1] = script
         run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/cpu_zero{stage}.yaml",
              "--main_process_port", str(port), *cmd[1:]])
     for rank in (0, 1):
-        probe = json.loads((runs[3] / f"zero3_probe_rank{rank}.json").read_text())
+        probe = json.loads((runs[3] / f"probe_rank{rank}.json").read_text())
         for name in ("actor_built", "actor_after_warm_start", "critic_backbone_built"):
             p = probe[name]
             assert p["all_partitioned"] and p["placeholders_empty"], (rank, name, p)

@@ -16,7 +16,7 @@ TINY = [
     "eval.episodes=4", "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false",
     "train.critic_warmup_iterations=0", "checkpoint.evidence_every=1",
 ]
-# The overrides tests/data/reference_metrics.jsonl was produced with by the pre-refactor scripts/train.py.
+# The overrides tests/data/reference_metrics.jsonl was produced with (tests/data/README.md).
 REFERENCE = [
     "train.iterations=5", "train.episodes_per_batch=8", "warm_start.steps=20", "warm_start.batch_episodes=8",
     "eval.episodes=8", "eval.every=2", "logging.wandb_mode=disabled", "logging.progress=false",
@@ -33,16 +33,18 @@ def metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_metrics_identical_to_pre_refactor_reference(tmp_path):
-    """Every non-perf value of metrics.jsonl equals what the pre-refactor script logged (same seed, same overrides)."""
+def test_metrics_match_the_stored_reference(tmp_path):
+    """Every non-perf value of metrics.jsonl equals the stored reference run's (same seed, same overrides): counts
+    exactly, floats to 1e-5 relative (another CPU's kernels round differently in the 7th digit: seen between two
+    x86 machines of this project)."""
     make(tmp_path / "run", *REFERENCE, NAIVE_LEARNER, tiny=False).fit()
-    added = ("perf/", "warm_start/answer_p_")  # timings, and the warm start's answer probe (added after the reference)
-    strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith(added)} for r in recs]  # noqa: E731
+    strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in recs]  # noqa: E731
     reference = [json.loads(line) for line in (ROOT / "tests" / "data" / "reference_metrics.jsonl").read_text().splitlines()]
     got = strip(metrics(tmp_path / "run"))
     assert [r["step"] for r in got] == [r["step"] for r in reference]
     for mine, ref in zip(got, reference):
-        assert mine == ref, {k: (mine.get(k), ref.get(k)) for k in set(mine) | set(ref) if mine.get(k) != ref.get(k)}
+        assert mine.keys() == ref.keys(), set(mine) ^ set(ref)
+        assert mine == pytest.approx(ref, rel=1e-5, abs=1e-7), {k: (mine[k], ref[k]) for k in ref if mine[k] != pytest.approx(ref[k], rel=1e-5, abs=1e-7)}
 
 
 def test_phases_are_callable_in_process(tmp_path):
@@ -81,8 +83,42 @@ def test_one_iteration_end_to_end(tmp_path):
     rollout, trained = load_episodes(ev / "rollout.pt"), load_episodes(ev / "training.pt")
     assert torch.equal(rollout["tokens"], trained["tokens"]) and "advantage" in trained.keys()
     ckpt = run_dir / "checkpoints" / "iter_000000"
-    assert {"actor.pt", "critic.pt", "actor_config.json", "trainer_state.pt", "meta.json"} <= {p.name for p in ckpt.iterdir()}
+    assert {p.name for p in ckpt.iterdir()} == {"policy", "critic.safetensors", "optimizer", "trainer_state.pt", "meta.json"}
     assert not list((run_dir / "checkpoints").glob(".*tmp"))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_is_a_transformers_directory_stored_once_and_follows_the_umask(tmp_path, umask):
+    """Every checkpoint's policy is a standard transformers checkpoint (config, safetensors, tokenizer) that
+    ``from_pretrained`` loads as is and that holds the trained weights; each model is stored once (no framework copy
+    beside it); every file and directory of the run follows the umask (tested with 022 and 077)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import os
+
+    old = os.umask(umask)
+    try:
+        trainer = make(tmp_path / "run", "train.iterations=2", "checkpoint.every=1", "checkpoint.keep_last=2", "algo.frozen_summary=true")
+        trainer.fit()
+    finally:
+        os.umask(old)
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("iter_*"))
+    assert len(ckpts) == 2
+    for ckpt in ckpts:
+        weights = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*.safetensors"))
+        assert weights == ["critic.safetensors", "frozen_policy/model.safetensors", "policy/model.safetensors"]
+        assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["actor.pt", "critic.pt"]
+        lm = AutoModelForCausalLM.from_pretrained(ckpt / "policy", local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(ckpt / "policy", local_files_only=True)
+        assert tok.eos_token == "<|end|>" and len(tok) == lm.config.vocab_size
+    final = {k: v.cpu() for k, v in trainer.lm.state_dict().items()}
+    assert all(torch.equal(final[k], v) for k, v in lm.state_dict().items())  # the last checkpoint holds the trained weights
+    for path in [tmp_path / "run", *(tmp_path / "run").rglob("*")]:
+        if path.name == ".lock" or "wandb" in path.parts:
+            continue
+        mode = path.stat().st_mode & 0o777
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert mode == want, f"{path.relative_to(tmp_path)} has mode {oct(mode)}, the umask {oct(umask)} gives {oct(want)}"
 
 
 ABLATIONS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs" / "ablations").glob("*.yaml"))
@@ -226,37 +262,6 @@ def test_prefix_shared_learner_matches_the_naive_learner_through_the_trainer(tmp
     assert shared["perf/unique_tokens"] == naive["perf/unique_tokens"]
     for key in ("perf/learner_tokens_per_s", "perf/peak_memory_mb"):
         assert shared[key] > 0
-
-
-def test_evaluate_script_scores_the_checkpoint_it_names(tmp_path):
-    """scripts/evaluate.py: the weights it evaluates are the checkpoint's (not the fresh model its scratch trainer
-    builds), for a frozen-summary run the frozen writer's too; ``--episodes`` cycles the split's tasks."""
-    import importlib.util
-
-    from crl.builders import build_suite
-
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
-    same = lambda a, b: all(torch.equal(a[k].cpu(), b[k].cpu()) for k in b)  # noqa: E731
-    run = tmp_path / "run"
-    make(run, "train.iterations=2", "checkpoint.every=1", "checkpoint.keep_last=2").fit()
-    first, last = sorted((run / "checkpoints").glob("iter_*"))
-    fresh = make(tmp_path / "fresh", "warm_start.enabled=false").lm.state_dict()  # what the scratch trainer starts from
-    assert not same(fresh, torch.load(last / "actor.pt"))  # else the check below cannot fail
-    n_dev = len(build_suite(load_config(run / "config.yaml")).tasks("dev"))
-    for ckpt in (first, last, None):
-        report, trainer = ev.evaluate_checkpoint(run, ckpt, "dev", 2 * n_dev)
-        assert same(trainer.lm.state_dict(), torch.load((ckpt or last) / "actor.pt", weights_only=True))
-        assert report["episodes"] == 2 * n_dev and report["tasks"] == n_dev
-        assert report["iteration"] == json.loads(((ckpt or last) / "meta.json").read_text())["iteration"] + 1
-        assert report["successes"] == round(report["success"] * report["episodes"]) and 0 <= report["success"] <= 1
-    frozen_run = tmp_path / "frozen"
-    make(frozen_run, "algo.frozen_summary=true").fit()
-    report, trainer = ev.evaluate_checkpoint(frozen_run, None, "test", 3)
-    frozen = torch.load(next((frozen_run / "checkpoints").glob("iter_*")) / "frozen_actor.pt", weights_only=True)
-    assert same(trainer.frozen_lm.state_dict(), frozen)  # the warm-started writer, not the scratch trainer's fresh copy
-    assert report["split"] == "test" and report["episodes"] == 3
 
 
 def test_summary_content_script_counts_what_the_evidence_holds(tmp_path):

@@ -100,6 +100,22 @@ class EpisodeSummary:
     error: str | None = None
 
 
+def episode_stats(episodes: Sequence[EpisodeSummary]) -> dict:
+    """Counts over one rank's episodes (summed over ranks by the caller): episodes, successes (reward > 0), reward,
+    completed / truncated / failed, compactions, segments, steps."""
+    return {
+        "episodes": len(episodes),
+        "success": sum(e.reward > 0 for e in episodes),
+        "reward": sum(e.reward for e in episodes),
+        "completed": sum(e.status == EpisodeStatus.COMPLETED for e in episodes),
+        "truncated": sum(e.status == EpisodeStatus.TRUNCATED for e in episodes),
+        "failed": sum(e.status == EpisodeStatus.FAILED for e in episodes),
+        "compactions": sum(e.n_compactions for e in episodes),
+        "segments": sum(e.n_segments for e in episodes),
+        "steps": sum(e.n_steps for e in episodes),
+    }
+
+
 class CompactionCollector:
     """Collect batches of compacted episodes.
 

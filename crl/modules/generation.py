@@ -13,6 +13,8 @@ Backends:
 """
 from __future__ import annotations
 
+import copy
+import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -58,6 +60,14 @@ class GenerationBackend(Protocol):
         """Take new policy weights (between collection batches)."""
 
 
+def stream_seed(seed: int, *names) -> int:
+    """A 63-bit seed for the sampler stream ``names`` (e.g. ``("policy", rank)``, ``("eval", rank)``) of run seed
+    ``seed``: distinct streams and distinct seeds never share draws (SHA-256 of the parts, not an affine formula
+    that collides once a rank number or stream offset grows past the stride)."""
+    blob = "|".join(str(x) for x in (seed, *names)).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
+
+
 def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probs of the distribution actually sampled from: ``softmax(logits / T)``, top-p truncated.
 
@@ -100,6 +110,12 @@ class TransformersBackend:
     def load_state_dict(self, state_dict: dict) -> None:
         self.model.load_state_dict(state_dict)
         self.clear_prefix_cache()
+
+    def fork(self, seed: int) -> "TransformersBackend":
+        """A backend over the same model with its own sampler stream (seed ``seed``) and an empty prefix cache:
+        evaluation draws from it, so evaluating never moves the training stream and the same weights always get
+        the same evaluation."""
+        return TransformersBackend(self.model, self.pad_token_id, seed, self.device)
 
     def clear_prefix_cache(self) -> None:
         self._prefix: dict = {}  # key -> (token ids, [(K, V) per layer], each [heads, length, head_dim])
@@ -239,6 +255,12 @@ class VLLMBackend:
         weights = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
         self.llm.collective_rpc("crl_load_weights", args=(weights,))
         self.clear_prefix_cache()
+
+    def fork(self, seed: int) -> "VLLMBackend":
+        """The same engine with its own request-seed stream (see :meth:`TransformersBackend.fork`)."""
+        twin = copy.copy(self)
+        twin.seed, twin.requests_sampled = int(seed), 0
+        return twin
 
     @property
     def generator(self) -> "_RequestCounterState":
