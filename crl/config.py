@@ -35,7 +35,7 @@ class ModelConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_action_tokens: int = 8
-    backend: str = "transformers"  # or "vllm" (optional extra, GPU)
+    backend: str = "transformers"  # or "vllm": an engine per rank (settings: the vllm section; `make vllm` installs it)
     value_head_init: str = "zero"  # zero: V starts at 0 | normal: N(0, 0.02) weights (rewards all 0 still train the critic)
     gradient_checkpointing: bool = False  # recompute activations in backward (actor and critic): less memory, more time
 
@@ -176,6 +176,22 @@ class LoggingConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM engine of ``model.backend=vllm`` (crl/modules/vllm_backend.py): one per data-parallel rank, on its
+    own device (GPU) or core (CPU), holding the learner's weights (synced after the warm start, a resume and every
+    update)."""
+
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA | float32 | bfloat16 | float16
+    max_model_len: Optional[int] = None  # the engine's context length; null: compaction.context_capacity
+    gpu_memory_utilization: float = 0.3  # GPU fraction the engine may take (actor, critic and optimizer use the rest)
+    cpu_kv_cache_gb: float = 1.0  # CPU: the KV cache's size (vLLM otherwise asks for most of the RAM)
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile: starts in ~25 s instead of ~100 s on CPU, same outputs
+    enable_prefix_caching: bool = True  # reuse the keys/values of an episode's growing context
+    sleep_between_phases: bool = False  # free the engine's GPU memory during the update (vLLM sleep mode; GPU only)
+    cpu_threads_bind: str = "rank"  # CPU: rank: local rank r's engine on core r | auto: vLLM's choice | a core list "0-3"
+
+
+@dataclass
 class DeepSpeedConfig:
     config: Optional[str] = None  # a DeepSpeed JSON (configs/deepspeed/zero2.json); null: plain accelerate
 
@@ -195,6 +211,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 CHOICES = {
@@ -208,6 +225,7 @@ CHOICES = {
     "warm_start.summary_content": ("random", "untrained", "format"),
     "env.early_submit": ("accept", "fail"),
     "train.failed_episodes": ("drop", "train"),
+    "vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 
 
@@ -336,6 +354,13 @@ def validate(cfg: Config) -> None:
     _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
     _need(cfg.warm_start.stop_answer_p is None or 0 < cfg.warm_start.stop_answer_p <= 1, "warm_start.stop_answer_p", "a probability in (0, 1], or null")
     _need(cfg.warm_start.probe_every >= 1, "warm_start.probe_every", ">= 1")
+    v = cfg.vllm
+    _need(v.max_model_len is None or v.max_model_len >= c.context_capacity, "vllm.max_model_len",
+          f"{v.max_model_len} is below compaction.context_capacity={c.context_capacity}: contexts up to C tokens must fit (or null)")
+    _need(0 < v.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization", f"must be in (0, 1], got {v.gpu_memory_utilization}")
+    _need(v.cpu_kv_cache_gb > 0, "vllm.cpu_kv_cache_gb", f"must be > 0, got {v.cpu_kv_cache_gb}")
+    _need(v.cpu_threads_bind in ("rank", "auto") or all(part.replace("-", "").isdigit() for part in v.cpu_threads_bind.split(",")),
+          "vllm.cpu_threads_bind", f"{v.cpu_threads_bind!r} is neither rank, auto nor a core list like 0-3 or 0,2")
     if cfg.deepspeed.config is not None:
         _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")
     # Token budgets need token lengths (the run's tokenizer): crl.builders.check_budgets, when a Trainer is built.

@@ -67,7 +67,7 @@ from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, new
 from crl.tracking import MetricLogger, plot_curves
 from crl.warm_start import warm_start, warm_start_cached
 
-__all__ = ["Trainer", "make_accelerator"]
+__all__ = ["Trainer", "StalePolicyError", "make_accelerator"]
 
 def make_accelerator(cfg: Config):
     """Plain accelerate, or two DeepSpeed engines (actor, critic) from one DeepSpeed JSON (docs/design.md §9).
@@ -121,6 +121,10 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+class StalePolicyError(RuntimeError):
+    """A rollout was sampled with other weights than the learner's current ones (``policy_version`` differs)."""
+
+
 class Trainer:
     """CompactionRL on one process or many (accelerate / DeepSpeed ZeRO-2/3). See the module docstring.
 
@@ -139,13 +143,13 @@ class Trainer:
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         if torch.distributed.is_initialized():  # accelerate reports 1 process for DeepSpeed on CPU (docs/design.md §9)
             self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))  # the rank on this machine (vLLM engine placement)
         self.is_main = self.rank == 0
         self.device = self.accelerator.device  # every tensor the trainer makes lives here (models, batches, collectives)
         if self.use_ds and cfg.model.share_critic_backbone:
             raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed (two engines cannot share parameters)")
-        if self.stage3 and cfg.model.backend != "transformers":
-            raise ConfigValidationError(f"model.backend={cfg.model.backend} cannot be used with ZeRO-3: the actor's weights are partitioned "
-                                        "and the trainer samples through the engine (model.backend=transformers)")
+        if cfg.model.backend == "vllm" and cfg.vllm.sleep_between_phases and not torch.cuda.is_available():
+            raise ConfigValidationError("vllm.sleep_between_phases needs a GPU: vLLM's sleep mode is not available on the CPU; set it to false")
         torch.set_num_threads(cfg.train.threads)
         self.run_dir = Path(cfg.run_dir)
 
@@ -217,7 +221,8 @@ class Trainer:
         else:
             self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = self.accelerator.prepare(actor_net, critic_net, actor_opt, critic_opt)
         # what the collector samples from: ZeRO-3 samples through the partitioned engine (no full copy anywhere)
-        self.gen_lm = LockstepEngineLM(self.actor_model, self.device) if self.stage3 else self.lm
+        # (vLLM samples in engines of its own, one per rank: no collective while sampling, under ZeRO-3 too)
+        self.gen_lm = LockstepEngineLM(self.actor_model, self.device) if self.stage3 and cfg.model.backend == "transformers" else self.lm
         L = cfg.learner
         if L.prefix_sharing:  # each token computed once: crl/learner.py
             shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
@@ -242,7 +247,11 @@ class Trainer:
         if cfg.model.backend == "transformers":
             self.backend = make_backend("transformers", model=self.gen_lm, seed=stream_seed(seed, "policy", self.rank), device=self.device)
         else:
-            self.backend = make_backend(cfg.model.backend, model_path=cfg.model.preset, seed=stream_seed(seed, "policy", self.rank))
+            from crl.modules.vllm_backend import EngineSettings
+
+            settings = EngineSettings(**{**dataclasses.asdict(cfg.vllm), "max_model_len": cfg.vllm.max_model_len or cfg.compaction.context_capacity})
+            self.backend = make_backend("vllm", model_path=cfg.model.preset, seed=stream_seed(seed, "policy", self.rank), settings=settings,
+                                        local_rank=self.local_rank)
         self.frozen_backend = (make_backend("transformers", model=self.frozen_lm, seed=stream_seed(seed, "frozen", self.rank), device=self.device)
                                if self.frozen_lm is not None else None)
         self.collector = self.make_collector("train", self.stages[self.stage])
@@ -250,8 +259,10 @@ class Trainer:
         self.start_iteration = 0
         self.update_skipped = False  # set by fit() each iteration: every rank's episodes failed, no update
         self._reset_step_log()  # fit() starts a fresh one each iteration
+        self.policy_version, self.sync_seconds = 0, 0.0  # policy updates so far (every rollout row carries its sampler's)
         if resume_from is not None:
             self.resume(resume_from)
+        self.sync_policy_weights()  # the sampler starts from the learner's weights (warm-started or resumed), whatever the backend
 
     # ------------------------------------------------------------------------------------------ set-up phases
     def _find_resume_checkpoint(self) -> Path | None:
@@ -434,6 +445,7 @@ class Trainer:
             else:
                 opt.load_state_dict(torch.load(checkpoint / ckpt_files.optimizer_file(name, None), map_location="cpu", weights_only=True))
         self.start_iteration, self.stage = state["iteration"] + 1, state["stage"]
+        self.policy_version = int(state.get("policy_version", 0))
         was = len(state["collectors"])
         if was == self.world:
             counters = state["collectors"][self.rank]
@@ -476,7 +488,14 @@ class Trainer:
     def compute_advantages(self, rollout: TensorDict) -> TensorDict:
         """The :meth:`trainable` rows of ``rollout``, copied, with the critic's ``state_value`` and the estimator's
         ``advantage``/``value_target``. A rank may end up with no row (its episodes all failed): it still takes part
-        in every collective, and the batch it returns is empty."""
+        in every collective, and the batch it returns is empty.
+
+        Raises :class:`StalePolicyError` when a row was sampled by another weight version than the learner's
+        (``policy_version``): its behaviour log-probs would not belong to the policy the ratio is taken against."""
+        if "policy_version" in rollout.keys() and bool((rollout["policy_version"] != self.policy_version).any()):
+            versions = sorted(set(rollout["policy_version"].tolist()))
+            raise StalePolicyError(f"rollout sampled with policy version(s) {versions}, the learner holds version {self.policy_version}: "
+                                   "the sampler missed a weight sync (call Trainer.sync_policy_weights after every update)")
         batch = self.trainable(rollout).clone()
         with torch.no_grad():
             if self.cfg.learner.prefix_sharing:  # no graph kept: the whole batch at once, chunked by the plan
@@ -526,12 +545,45 @@ class Trainer:
             perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(t.seed * 7919 + iteration))]
             for chunk in perm.tensor_split(t.policy_minibatches):
                 self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]))
+        self.policy_version += 1  # the learner's weights moved on: the sampler needs a sync_policy_weights
         self._release_gathered()
 
     def sync_policy_weights(self) -> None:
-        """Give the sampler the updated policy (vLLM: push the weights; ZeRO-3 samples through the engine itself)."""
-        if self.cfg.model.backend != "transformers" and not self.stage3:  # an external engine (vLLM) holds its own copy of the weights
-            self.collector.update_policy_weights_(self.lm.state_dict())
+        """Give the sampler the learner's current weights (version ``policy_version``).
+
+        The one owner of the sampler's weights: called after the trainer is built (warm-started or resumed) and after
+        every update. The transformers backend samples from the learner's own module (ZeRO-3: through the partitioned
+        engine), so only its version moves; a vLLM engine per rank reloads the weights written by
+        :func:`crl.modules.vllm_backend.export_weights` (one module at a time, gathered under ZeRO-3; local rank 0 of
+        each machine writes, every engine there reads). ``policy_version`` counts the learner's policy updates
+        (:meth:`update_policy`); every rollout row carries its sampler's version and :meth:`compute_advantages` refuses
+        any other, so an update whose sync was skipped cannot go unnoticed. ``sync_seconds``: this sync's wall time
+        (``perf/sync_s``).
+        """
+        t0 = time.perf_counter()
+        if self.cfg.model.backend == "vllm":
+            from crl.modules.vllm_backend import export_weights, weights_dir
+
+            directory, writer = weights_dir(self.run_dir), self.local_rank == 0
+            if writer:
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True)
+            self._barrier()
+            try:
+                export_weights(self.lm, directory, write=writer)
+                self._barrier()
+                self.backend.load_weights_from(directory)
+                self._barrier()
+            finally:
+                if writer:
+                    shutil.rmtree(directory, ignore_errors=True)
+        self.backend.policy_version = self.policy_version
+        self.sync_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _barrier() -> None:
+        if torch.distributed.is_initialized():  # (accelerate's wait_for_everyone sees 1 process for DeepSpeed on CPU)
+            torch.distributed.barrier()
 
     def evaluate(self, stage=None, split: str = "dev") -> float:
         """Success rate on ``split`` (``eval.episodes`` episodes, its tasks in order, cycling when there are more
@@ -607,10 +659,13 @@ class Trainer:
         self.step_log = {"grad_norms": {"actor": [], "critic": []}, "normalizers": {"actor": [], "critic": []}, "metrics": {}}
 
     def _finish_generation(self) -> None:
-        """ZeRO-3: sampling runs through the partitioned engine, whose forwards are collectives; a rank whose
-        episodes ended early makes dummy forwards until every rank has finished (crl.modules.zero3)."""
+        """After sampling. ZeRO-3 through the partitioned engine: its forwards are collectives, so a rank whose
+        episodes ended early makes dummy forwards until every rank has finished (crl.modules.zero3). vLLM with
+        ``vllm.sleep_between_phases``: the engine frees its GPU memory until the next generation."""
         if isinstance(self.gen_lm, LockstepEngineLM):
             self.gen_lm.drain()
+        if hasattr(self.backend, "sleep"):
+            self.backend.sleep()
         self._release_gathered()
 
     def _release_gathered(self) -> None:
@@ -642,6 +697,7 @@ class Trainer:
             "tokens/execution_per_episode": tok_exec / n_ep,
             "tokens/summary_per_episode": tok_sum / n_ep,
             "perf/collect_tokens_per_s": self.collector.last_stats["generated_tokens_per_s"],
+            "perf/sync_s": self.sync_seconds,
             "perf/iteration_s": time.perf_counter() - t0,
             "curriculum/stage": self.stage,
         }
@@ -708,7 +764,8 @@ class Trainer:
                 if not self.use_ds:  # the whole state, the same on every rank
                     atomic_torch_save(tmp / ckpt_files.optimizer_file("actor", None), self.actor_opt.state_dict())
                     atomic_torch_save(tmp / ckpt_files.optimizer_file("critic", None), self.critic_opt.state_dict())
-                atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens, "rng": rngs})
+                atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens, "rng": rngs,
+                                                                  "policy_version": self.policy_version})
             acc.wait_for_everyone()  # every rank's optimizer partition is on disk before the manifest is taken
             if self.is_main:
                 atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": self.stage, "world_size": self.world,
@@ -823,4 +880,6 @@ class Trainer:
                 self.logger.close()
             self.accelerator.end_training()
         finally:
+            if hasattr(getattr(self, "backend", None), "close"):  # a vLLM engine's processes
+                self.backend.close()
             self._release_lock()

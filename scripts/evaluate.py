@@ -9,12 +9,13 @@ checkpoint's ``policy/`` — a standard transformers checkpoint with its tokeniz
 critic, no optimizer, no run-directory lock: it can evaluate a run that is still training. Episodes are played by
 :func:`crl.evaluation.evaluate_policy`, the code path of the run's own ``dev/success``, each training rank's share
 with that rank's evaluation seeds, so with ``--episodes`` equal to the run's ``eval.episodes`` it reproduces the
-number the run logged for that checkpoint exactly. With 240 episodes on the 60 dev tasks each task is played 4
+number the run logged for that checkpoint exactly. A run that sampled with vLLM (``model.backend=vllm``) is evaluated
+by a vLLM engine started from ``policy/`` itself. With 240 episodes on the 60 dev tasks each task is played 4
 times, so the binomial standard error at p = 0.9 falls from 0.039 to 0.019.
 
 Prints and writes (atomically, default ``RUN_DIR/eval_SPLIT_EPISODES.json``)::
 
-    {"run_dir", "checkpoint", "iteration", "split", "episodes", "tasks", "success", "successes", "stderr", "wall_s"}
+    {"run_dir", "checkpoint", "iteration", "split", "backend", "episodes", "tasks", "success", "successes", "stderr", "wall_s"}
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def load_policy(run_dir: Path, checkpoint: Path | None = None, episodes: int = 2
     prompt_format = build_prompt_format(cfg, codec)
     C = cfg.compaction.context_capacity
     load = lambda path: build_causal_lm(str(path), vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id).eval()  # noqa: E731
-    lm = load(checkpoint / ckpt_files.POLICY_DIR)
+    lm = load(checkpoint / ckpt_files.POLICY_DIR) if cfg.model.backend == "transformers" else None  # vLLM reads policy/ itself
     frozen = load(checkpoint / ckpt_files.FROZEN_POLICY_DIR) if cfg.algo.frozen_summary else None
     return cfg, checkpoint, meta, codec, prompt_format, lm, frozen
 
@@ -74,14 +75,27 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
     torch.set_num_threads(cfg.train.threads)
     stage = curriculum_stages(cfg)[-1]
     world = int(meta["world_size"])
+    engine = None
+    if cfg.model.backend == "vllm":  # the run sampled with vLLM: so does its evaluation, from the checkpoint's policy/
+        import dataclasses
+
+        from crl.modules.vllm_backend import EngineSettings, VLLMBackend
+
+        settings = EngineSettings(**{**dataclasses.asdict(cfg.vllm), "max_model_len": cfg.vllm.max_model_len or cfg.compaction.context_capacity})
+        engine = VLLMBackend(cfg.model.preset, settings=settings)
     counts = {}
-    for rank in range(world):
-        policy_seed, frozen_seed = evaluation_seeds(cfg.train.seed, rank)
-        mine = evaluate_policy(cfg, stage, split, TransformersBackend(lm, seed=policy_seed), codec, prompt_format, rank=rank, world=world,
-                               frozen_backend=TransformersBackend(frozen, seed=frozen_seed) if frozen is not None else None)
-        counts = {k: counts.get(k, 0) + v for k, v in mine.items()}
+    try:
+        for rank in range(world):
+            policy_seed, frozen_seed = evaluation_seeds(cfg.train.seed, rank)
+            backend = engine.fork(policy_seed) if engine is not None else TransformersBackend(lm, seed=policy_seed)
+            mine = evaluate_policy(cfg, stage, split, backend, codec, prompt_format, rank=rank, world=world,
+                                   frozen_backend=TransformersBackend(frozen, seed=frozen_seed) if frozen is not None else None)
+            counts = {k: counts.get(k, 0) + v for k, v in mine.items()}
+    finally:
+        if engine is not None:
+            engine.close()
     n, success = counts["episodes"], counts["success"] / max(counts["episodes"], 1)
-    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split,
+    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split, "backend": cfg.model.backend,
             "episodes": n, "tasks": len(build_suite(cfg, stage).tasks(split)), "success": success, "successes": int(counts["success"]),
             "stderr": math.sqrt(max(success * (1 - success), 0.0) / n), "wall_s": round(time.perf_counter() - t0, 1)}
 

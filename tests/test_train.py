@@ -157,6 +157,12 @@ def test_paper_config_loads():
         ("warm_start.stop_answer_p=1.5", "warm_start.stop_answer_p"),
         ("warm_start.probe_every=0", "warm_start.probe_every"),
         ("warm_start.summary_content=correct", "warm_start.summary_content"),
+        ("vllm.dtype=float8", "vllm.dtype"),
+        ("vllm.max_model_len=100", "vllm.max_model_len"),
+        ("vllm.gpu_memory_utilization=1.5", "vllm.gpu_memory_utilization"),
+        ("vllm.cpu_kv_cache_gb=0", "vllm.cpu_kv_cache_gb"),
+        ("vllm.cpu_threads_bind=core0", "vllm.cpu_threads_bind"),
+        ("model.backend=vllm", "model.backend"),  # a preset: vLLM serves a checkpoint directory
     ],
 )
 def test_bad_configs_fail_at_load_naming_the_key(override, key):

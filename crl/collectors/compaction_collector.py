@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+import torch
 from tensordict import TensorDict
 from tqdm.auto import tqdm
 
@@ -336,9 +337,11 @@ class CompactionCollector:
 
         done.sort(key=lambda item: item[0].rollout_id)
         rows_td, self.last_episodes = [], []
+        version = int(getattr(self.backend, "policy_version", 0))  # the weights every token of this batch was sampled with
         for ep, status, reward in done:
             segments = ep.ctx.segments()
             td = build_episode(segments, ep.rollout_id, reward, status)
+            td["policy_version"] = torch.full((td.batch_size[0],), version, dtype=torch.int64)
             rows_td.append(td)
             self.last_episodes.append(
                 EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"))

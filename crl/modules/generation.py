@@ -8,12 +8,11 @@ wrong, which is why crl samples with its own loop).
 Backends:
 
 * :class:`TransformersBackend` (default; CPU or GPU): left-padded batch, KV cache, per-row token budgets.
-* :class:`VLLMBackend` (optional extra ``crl[vllm]``): imported lazily, written against vLLM's public API.
-  It cannot be installed on the project's CPU machines and has **not been exercised**.
+* :class:`crl.modules.vllm_backend.VLLMBackend` (``model.backend=vllm``): an engine per rank, imported lazily; run on
+  this project's CPU machines with vLLM's CPU build (``make vllm``), not yet on a GPU.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import inspect
 from dataclasses import dataclass
@@ -44,7 +43,13 @@ class Generation:
 
 
 class GenerationBackend(Protocol):
-    """What a collector needs from an inference engine."""
+    """What a collector needs from an inference engine.
+
+    ``policy_version``: the version of the weights it samples with, set by whoever gives it weights (the trainer's
+    ``sync_policy_weights``); the collector stamps it on every rollout row.
+    """
+
+    policy_version: int
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingParams, cache_keys=None) -> list[Generation]:
         """Sample one continuation per prompt, at most ``max_new_tokens[i]`` tokens for prompt ``i``.
@@ -103,6 +108,7 @@ class TransformersBackend:
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.policy_version = 0
         # transformers 5.x renamed `past_key_values` to `cache`; accept both so GPU users' versions work.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.clear_prefix_cache()
@@ -115,7 +121,9 @@ class TransformersBackend:
         """A backend over the same model with its own sampler stream (seed ``seed``) and an empty prefix cache:
         evaluation draws from it, so evaluating never moves the training stream and the same weights always get
         the same evaluation."""
-        return TransformersBackend(self.model, self.pad_token_id, seed, self.device)
+        twin = TransformersBackend(self.model, self.pad_token_id, seed, self.device)
+        twin.policy_version = self.policy_version
+        return twin
 
     def clear_prefix_cache(self) -> None:
         self._prefix: dict = {}  # key -> (token ids, [(K, V) per layer], each [heads, length, head_dim])
@@ -212,102 +220,13 @@ class TransformersBackend:
         ]
 
 
-class VLLMBackend:
-    """vLLM inference (optional extra ``crl[vllm]``, vLLM >= 0.10.2; NOT exercised: vLLM cannot be installed on the
-    CPU machines, and no GPU run has used it yet).
-
-    * Sampling: ``vllm.LLM.generate`` with ``SamplingParams(logprobs=0)`` returns the log-prob of each sampled
-      token; ``logprobs_mode="processed_logprobs"`` (added in vLLM 0.10.2) makes those the log-probs *after*
-      temperature and top-p, i.e. the behaviour distribution this project requires.
-    * Seeds: every request gets its own seed, ``seed`` combined with a request counter that keeps counting across
-      calls (and is saved by :meth:`state_dict`), so two calls — or two iterations — never replay the same draws.
-    * Weights: pushed with ``LLM.collective_rpc("crl_load_weights", args=(weights,))`` into every worker through
-      the worker extension :class:`crl.modules.vllm_worker.CrlWorkerExtension` (vLLM's supported route for RL
-      weight updates in the V1 engine); then vLLM's prefix cache is reset, since cached keys/values belong to
-      the old weights.
-    """
-
-    WORKER_EXTENSION = "crl.modules.vllm_worker.CrlWorkerExtension"
-    _SEED_MOD = 2**31 - 1
-
-    def __init__(self, model_path: str, seed: int = 0, **llm_kwargs):
-        try:
-            import vllm
-        except ImportError as err:  # optional backend: fail with the fix, only when asked for
-            raise ImportError("VLLMBackend needs vLLM: pip install 'crl[vllm]' on a GPU machine") from err
-        self._vllm = vllm
-        self.seed = int(seed)
-        self.requests_sampled = 0  # request counter: the per-request seed stream
-        llm_kwargs.setdefault("worker_extension_cls", self.WORKER_EXTENSION)
-        self.llm = vllm.LLM(model=model_path, seed=seed, logprobs_mode="processed_logprobs", **llm_kwargs)
-
-    def request_seed(self, n: int) -> int:
-        """Seed of the ``n``-th request of this backend (distinct for distinct ``n`` up to 2**31 requests)."""
-        return (self.seed * 1_000_003 + n) % self._SEED_MOD
-
-    def clear_prefix_cache(self) -> None:
-        """Reset vLLM's own prefix cache (``enable_prefix_caching``): it holds keys/values of the old weights."""
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        if reset is not None:
-            reset()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        weights = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
-        self.llm.collective_rpc("crl_load_weights", args=(weights,))
-        self.clear_prefix_cache()
-
-    def fork(self, seed: int) -> "VLLMBackend":
-        """The same engine with its own request-seed stream (see :meth:`TransformersBackend.fork`)."""
-        twin = copy.copy(self)
-        twin.seed, twin.requests_sampled = int(seed), 0
-        return twin
-
-    @property
-    def generator(self) -> "_RequestCounterState":
-        """``get_state()`` / ``set_state()`` like :attr:`TransformersBackend.generator` (the trainer checkpoints the
-        sampler RNG through it): here the state is the request counter, so a resumed run continues the seed stream."""
-        return _RequestCounterState(self)
-
-    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
-        vllm = self._vllm
-        first = self.requests_sampled
-        self.requests_sampled += len(prompts)
-        requests = [
-            vllm.SamplingParams(
-                temperature=params.temperature,
-                top_p=params.top_p,
-                max_tokens=int(m),
-                stop_token_ids=list(params.stop_token_ids),
-                logprobs=0,
-                seed=self.request_seed(first + i),
-            )
-            for i, m in enumerate(max_new_tokens)
-        ]
-        outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
-        result = []
-        for out in outs:
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            logps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids)]
-            result.append(Generation(ids, logps, comp.finish_reason == "stop"))
-        return result
-
-
-class _RequestCounterState:
-    def __init__(self, backend: VLLMBackend):
-        self.backend = backend
-
-    def get_state(self) -> torch.Tensor:
-        return torch.tensor([self.backend.seed, self.backend.requests_sampled], dtype=torch.int64)
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self.backend.requests_sampled = int(state[1])
-
-
 def make_backend(name: str, **kwargs) -> GenerationBackend:
-    """``"transformers"`` or ``"vllm"`` (lazy import)."""
+    """``"transformers"`` (:class:`TransformersBackend`) or ``"vllm"`` (:class:`crl.modules.vllm_backend.VLLMBackend`,
+    imported only then: vLLM is optional)."""
     if name == "transformers":
         return TransformersBackend(**kwargs)
     if name == "vllm":
+        from crl.modules.vllm_backend import VLLMBackend
+
         return VLLMBackend(**kwargs)
     raise ValueError(f"unknown generation backend {name!r}; choose 'transformers' or 'vllm'")

