@@ -873,7 +873,7 @@ class Trainer:
         """Wait for every rank, draw the curves, finish wandb and the accelerator, release the run directory."""
         try:
             self.accelerator.wait_for_everyone()
-            if self.is_main and self.logger is not None:
+            if self.is_main and self.logger is not None and (self.run_dir / "metrics.jsonl").is_file():  # nothing logged: no curves
                 plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
                 print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, checkpoints/, evidence/)")
             if self.logger is not None:

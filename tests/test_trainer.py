@@ -71,6 +71,16 @@ def test_phases_are_callable_in_process(tmp_path):
     trainer.close()
 
 
+def test_close_before_anything_was_logged(tmp_path):
+    """A trainer built without a warm start and closed before any iteration has no metrics.jsonl: close() must not
+    try to plot it (it raised FileNotFoundError), and the run directory is released."""
+    trainer = make(tmp_path / "run", "warm_start.enabled=false")
+    trainer.collect()
+    trainer.close()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    make(tmp_path / "run", "warm_start.enabled=false").close()  # the lock was released
+
+
 def test_one_iteration_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     make(run_dir).fit()
