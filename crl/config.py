@@ -85,6 +85,11 @@ class CompactionSettings:
 
 @dataclass
 class AlgoConfig:
+    # gae: the cross-trajectory GAE with a critic (the paper's) | group: critic-free, an episode's reward minus its
+    # group's (train.group_size episodes of one task; GRPO/RLOO); no critic is built (crl/objectives/group.py)
+    estimator: str = "gae"
+    group_baseline: str = "mean"  # group: mean (GRPO) | leave_one_out (RLOO)
+    group_scale: str = "none"  # group: none | std (divide by the group's reward standard deviation)
     gamma: float = 1.0
     alpha: Optional[float] = 1.5
     lmbda: Optional[float] = None  # fixed λ instead of the length-adaptive one (then set alpha to null)
@@ -116,6 +121,7 @@ class CurriculumStage:
 class TrainConfig:
     iterations: int = 40
     episodes_per_batch: int = 32  # per data-parallel rank
+    group_size: int = 1  # episodes of the same task in a batch (consecutive, one rank); algo.estimator=group needs >= 2
     micro_batches: int = 2  # gradient-accumulation micro-batches per optimizer step (per rank)
     policy_epochs: int = 1
     policy_minibatches: int = 1
@@ -226,6 +232,9 @@ CHOICES = {
     "env.early_submit": ("accept", "fail"),
     "train.failed_episodes": ("drop", "train"),
     "vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "algo.estimator": ("gae", "group"),
+    "algo.group_baseline": ("mean", "leave_one_out"),
+    "algo.group_scale": ("none", "std"),
 }
 
 
@@ -333,6 +342,13 @@ def validate(cfg: Config) -> None:
     _need(t.critic_warmup_iterations >= 0, "train.critic_warmup_iterations", "must be >= 0")
     _need(t.actor_lr > 0 and t.critic_lr > 0, "train.actor_lr/critic_lr", "must be > 0")
     _need(t.policy_minibatches <= t.episodes_per_batch, "train.policy_minibatches", f"{t.policy_minibatches} minibatches cannot split {t.episodes_per_batch} episodes")
+    _need(t.group_size >= 1 and t.episodes_per_batch % t.group_size == 0, "train.group_size",
+          f"{t.group_size} must be >= 1 and divide train.episodes_per_batch={t.episodes_per_batch} (a rank's batch holds whole groups)")
+    if a.estimator == "group":
+        _need(t.group_size >= 2, "train.group_size", f"algo.estimator=group compares episodes of one task: needs >= 2, got {t.group_size}")
+        _need(t.critic_warmup_iterations == 0, "train.critic_warmup_iterations",
+              f"algo.estimator=group has no critic to warm up: set it to 0 (got {t.critic_warmup_iterations})")
+        _need(not cfg.model.share_critic_backbone, "model.share_critic_backbone", "algo.estimator=group builds no critic")
     for i, stage in enumerate(t.curriculum):
         _need(stage.length >= 1, f"train.curriculum[{i}].length", "must be >= 1")
         steps = stage.compaction_steps

@@ -20,8 +20,9 @@ Layout of a batch of ``S`` segments padded to ``T`` tokens (right padding, token
     loss_mask             [S, T]    bool     True exactly where provenance is ACTION or SUMMARY
     sample_log_prob       [S, T]    float32  behaviour log-prob of the sampled token (0 where not sampled)
 
-Written by the collector when its sampler has one: ``policy_version`` ``[S]`` int64, the version of the weights the
-segment was sampled with (the trainer refuses a batch whose version is not the learner's).
+Written by the collector: ``policy_version`` ``[S]`` int64, the version of the weights the segment was sampled with
+(the trainer refuses a batch whose version is not the learner's); ``group_id`` ``[S]`` int64, the rollout id of the
+first episode of its group (episodes of the same task in one batch, ``train.group_size``; its own id when 1).
 
 Written later by the critic and the estimator (``[S, T]`` float32, 0 where ``loss_mask`` is False):
 ``state_value``, ``advantage``, ``value_target``.
@@ -243,7 +244,7 @@ def _fail(rule: str, detail: str, rollout=None, segment=None) -> None:
 
 # The dtype of every contract key (README's table of the episode TensorDict; docs/design.md §3).
 CONTRACT_DTYPES = {
-    **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status", "policy_version")},
+    **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status", "policy_version", "group_id")},
     "reward": torch.float32,
     "tokens": torch.int64,
     "provenance": torch.int64,
@@ -283,7 +284,7 @@ def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | N
             _fail("shape", f"{key!r} has shape {list(td[key].shape)}, expected [S, T] = [{S}, {T}]")
     if S == 0:
         _fail("empty-batch", "the batch holds 0 segments; a collector must yield at least one rollout")
-    for key in SEGMENT_KEYS + TOKEN_KEYS + tuple(k for k in (*TRAINING_TOKEN_KEYS, "policy_version") if k in td.keys()):
+    for key in SEGMENT_KEYS + TOKEN_KEYS + tuple(k for k in (*TRAINING_TOKEN_KEYS, "policy_version", "group_id") if k in td.keys()):
         if td[key].dtype != CONTRACT_DTYPES[key]:
             _fail("dtype", f"{key!r} has dtype {td[key].dtype}, the contract says {CONTRACT_DTYPES[key]} "
                            "(README: the episode TensorDict); build rows with crl.episode.build_episode")
@@ -350,7 +351,7 @@ def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | N
     for r in rid.unique().tolist():
         rows = (rid == r).nonzero().squeeze(-1)
         rows = rows[seg_idx[rows].argsort()]
-        for key in ("reward", "status", "rollout_length", *(("policy_version",) if "policy_version" in td.keys() else ())):
+        for key in ("reward", "status", "rollout_length", *(k for k in ("policy_version", "group_id") if k in td.keys())):
             vals = td[key][rows]
             if (vals != vals[0]).any():
                 _fail("shared", f"{key!r} differs between segments of one rollout: {vals.tolist()}", r)

@@ -61,7 +61,7 @@ from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, plan
 from crl.modules.generation import make_backend, stream_seed
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.modules.zero3 import LockstepEngineLM, copy_parameters_, zero3_init
-from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
+from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage
 from crl.objectives.distributed import all_reduce_sum
 from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 from crl.tracking import MetricLogger, plot_curves
@@ -204,43 +204,56 @@ class Trainer:
         actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p)  # the sampler's distribution
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             self.warm_start()
-        critic_net = ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
-                                           zero3_config=self.ds_config if self.stage3 else None)
+        # the critic (initialised from the policy: the paper's init); algo.estimator=group trains without one
+        self.use_critic = cfg.algo.estimator == "gae"
+        critic_net = (ValueModel.from_actor(self.lm, share_backbone=cfg.model.share_critic_backbone, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
+                                            zero3_config=self.ds_config if self.stage3 else None) if self.use_critic else None)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(actor_net)
-            enable_gradient_checkpointing(critic_net)
+            if critic_net is not None:
+                enable_gradient_checkpointing(critic_net)
         self.frozen_lm = self._frozen_copy() if cfg.algo.frozen_summary else None
         t = cfg.train
         actor_opt = torch.optim.Adam(actor_net.parameters(), lr=t.actor_lr, weight_decay=t.weight_decay)
-        critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
+        critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay) if critic_net is not None else None
+        self.critic_model = self.critic_opt = None
         if self.use_ds:
             self.accelerator.state.select_deepspeed_plugin("actor")
             self.actor_model, self.actor_opt = self.accelerator.prepare(actor_net, actor_opt)
-            self.accelerator.state.select_deepspeed_plugin("critic")
-            self.critic_model, self.critic_opt = self.accelerator.prepare(critic_net, critic_opt)
-        else:
+            if critic_net is not None:
+                self.accelerator.state.select_deepspeed_plugin("critic")
+                self.critic_model, self.critic_opt = self.accelerator.prepare(critic_net, critic_opt)
+        elif critic_net is not None:
             self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = self.accelerator.prepare(actor_net, critic_net, actor_opt, critic_opt)
+        else:
+            self.actor_model, self.actor_opt = self.accelerator.prepare(actor_net, actor_opt)
         # what the collector samples from: ZeRO-3 samples through the partitioned engine (no full copy anywhere)
         # (vLLM samples in engines of its own, one per rank: no collective while sampling, under ZeRO-3 too)
         self.gen_lm = LockstepEngineLM(self.actor_model, self.device) if self.stage3 and cfg.model.backend == "transformers" else self.lm
         L = cfg.learner
+        self.critic = None
         if L.prefix_sharing:  # each token computed once: crl/learner.py
             shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
             self.actor = PrefixSharedForward(self.actor_model, ["log_prob", "entropy"], **shared)
-            self.critic = PrefixSharedForward(self.critic_model, ["state_value"], **shared)
+            if self.critic_model is not None:
+                self.critic = PrefixSharedForward(self.critic_model, ["state_value"], **shared)
         else:  # one padded forward of every segment row per micro-batch
             self.actor = TensorDictModule(self.actor_model, list(MODEL_IN_KEYS), ["log_prob", "entropy"])
-            self.critic = TensorDictModule(self.critic_model, list(MODEL_IN_KEYS), ["state_value"])
+            if self.critic_model is not None:
+                self.critic = TensorDictModule(self.critic_model, list(MODEL_IN_KEYS), ["state_value"])
 
         # ---- estimator and losses (docs/design.md §4–§5)
         a = cfg.algo
-        self.estimator = CrossTrajectoryGAE(
-            gamma=a.gamma, alpha=a.alpha, lmbda=a.lmbda, lambda_length=a.lambda_length, cross_trajectory=a.cross_trajectory,
-            value_target=a.value_target, boundary=a.boundary, whiten=a.whiten_advantage,
-        )
+        if self.use_critic:
+            self.estimator = CrossTrajectoryGAE(
+                gamma=a.gamma, alpha=a.alpha, lmbda=a.lmbda, lambda_length=a.lambda_length, cross_trajectory=a.cross_trajectory,
+                value_target=a.value_target, boundary=a.boundary, whiten=a.whiten_advantage,
+            )
+        else:
+            self.estimator = GroupRelativeAdvantage(baseline=a.group_baseline, scale=a.group_scale)
         ppo_kwargs = dict(eps_low=a.clip_eps_low, eps_high=a.clip_eps_high, aggregation=a.aggregation)
         self.policy_loss = CompactionPPOLoss(self.actor, None, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, **ppo_kwargs)
-        self.critic_loss = CompactionPPOLoss(None, self.critic, clip_value=a.clip_value, **ppo_kwargs)
+        self.critic_loss = CompactionPPOLoss(None, self.critic, clip_value=a.clip_value, **ppo_kwargs) if self.critic is not None else None
 
         # ---- samplers and collectors: one sampler stream per (run seed, stream, rank) (crl.modules.generation.stream_seed)
         seed = cfg.train.seed
@@ -392,6 +405,10 @@ class Trainer:
                                frozen_backend=frozen_backend or self.frozen_backend, rank=self.rank, world=self.world,
                                progress=self.is_main and self.cfg.logging.progress)
 
+    def _trained_models(self) -> list:
+        """``[("actor", engine/module), ("critic", ...)]``: the models with an optimizer (no critic when critic-free)."""
+        return [(name, m) for name, m in (("actor", self.actor_model), ("critic", self.critic_model)) if m is not None]
+
     def _optimizer_layout(self) -> str:
         """How the optimizer state is stored: ``torch`` (whole on every rank) or ``deepspeed-zero{stage}`` (partitioned)."""
         if not self.use_ds:
@@ -431,11 +448,13 @@ class Trainer:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
         acc = self.accelerator
         ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
-        shared = ("value_head.",) if self.cfg.model.share_critic_backbone else None
-        ckpt_files.load_weights_(acc.unwrap_model(self.critic_model), checkpoint / ckpt_files.CRITIC_FILE, keys=shared)
+        if self.critic_model is not None:
+            shared = ("value_head.",) if self.cfg.model.share_critic_backbone else None
+            ckpt_files.load_weights_(acc.unwrap_model(self.critic_model), checkpoint / ckpt_files.CRITIC_FILE, keys=shared)
         if self.frozen_lm is not None:
             ckpt_files.load_weights_(self.frozen_lm, checkpoint / ckpt_files.FROZEN_POLICY_DIR / ckpt_files.WEIGHTS_FILE)
-        for name, model, opt in (("actor", self.actor_model, self.actor_opt), ("critic", self.critic_model, self.critic_opt)):
+        for name, model in self._trained_models():
+            opt = self.actor_opt if name == "actor" else self.critic_opt
             if self.use_ds:  # this rank's ZeRO partition; the fp32 masters come from it, the working weights from above
                 mine = torch.load(checkpoint / ckpt_files.optimizer_file(name, self.rank), map_location="cpu", weights_only=False)
                 parts = [None] * self.world
@@ -454,8 +473,8 @@ class Trainer:
                 self.frozen_backend.generator.set_state(state["generators"][self.rank]["frozen"])
             torch.set_rng_state(state["rng"][self.rank])
         else:
-            n = max(int(c["episodes_started"]) for c in state["collectors"])
-            counters = {"episodes_started": max(n, math.ceil(was * n / self.world)),
+            n, G = max(int(c["episodes_started"]) for c in state["collectors"]), self.cfg.train.group_size
+            counters = {"episodes_started": G * math.ceil(max(n, math.ceil(was * n / self.world)) / G),  # whole groups
                         "batches_yielded": max(int(c["batches_yielded"]) for c in state["collectors"])}
             seed, it = self.cfg.train.seed, state["iteration"]
             self.backend = self.backend.fork(stream_seed(seed, "policy", self.rank, "resumed", it, self.world))
@@ -497,6 +516,9 @@ class Trainer:
             raise StalePolicyError(f"rollout sampled with policy version(s) {versions}, the learner holds version {self.policy_version}: "
                                    "the sampler missed a weight sync (call Trainer.sync_policy_weights after every update)")
         batch = self.trainable(rollout).clone()
+        if self.critic is None:  # critic-free (algo.estimator=group): nothing to evaluate
+            batch["state_value"] = torch.zeros(batch["loss_mask"].shape, device=batch.device)
+            return self.estimator(batch)
         with torch.no_grad():
             if self.cfg.learner.prefix_sharing:  # no graph kept: the whole batch at once, chunked by the plan
                 values = self.critic(batch.select(*self.critic.in_keys).clone())["state_value"]
@@ -531,7 +553,10 @@ class Trainer:
                 "perf/padding_frac": 1.0 - unique / processed if processed else 0.0}
 
     def update_critic(self, batch: TensorDict) -> None:
-        """``train.critic_updates`` critic optimizer steps on the whole batch (split into micro-batches once)."""
+        """``train.critic_updates`` critic optimizer steps on the whole batch (split into micro-batches once); nothing
+        without a critic (``algo.estimator=group``)."""
+        if self.critic is None:
+            return
         mbs = self.split(batch)
         for _ in range(self.cfg.train.critic_updates):
             self._optimizer_step("critic", mbs)
@@ -672,8 +697,9 @@ class Trainer:
         """ZeRO-3 keeps parameters it expects to reuse soon gathered after a forward/backward; between phases nothing
         is reused soon, so give them back (``empty_partition_cache``: every parameter back to its partition)."""
         if self.stage3:
-            self.actor_model.empty_partition_cache()
-            self.critic_model.empty_partition_cache()
+            for model in (self.actor_model, self.critic_model):
+                if model is not None:
+                    model.empty_partition_cache()
 
     # ------------------------------------------------------------------------------------------ metrics
     def iteration_metrics(self, batch: TensorDict, t0: float) -> dict:
@@ -739,9 +765,9 @@ class Trainer:
                 (tmp / ckpt_files.OPTIMIZER_DIR).mkdir(parents=True)
             acc.wait_for_everyone()
             actor_sd = acc.get_state_dict(self.actor_model)  # consolidated on rank 0 (under ZeRO-3 a collective)
-            critic_sd = acc.get_state_dict(self.critic_model)
+            critic_sd = acc.get_state_dict(self.critic_model) if self.critic_model is not None else None
             if self.use_ds:  # every rank writes its own ZeRO partition of each optimizer
-                for name, model in (("actor", self.actor_model), ("critic", self.critic_model)):
+                for name, model in self._trained_models():
                     atomic_torch_save(tmp / ckpt_files.optimizer_file(name, self.rank),
                                       {"zero": model.optimizer.state_dict(), "global_steps": model.global_steps,
                                        "global_samples": model.global_samples, "skipped_steps": model.skipped_steps})
@@ -756,14 +782,16 @@ class Trainer:
             if self.is_main:
                 tokenizer = self.codec.tokenizer
                 ckpt_files.save_model_dir(tmp / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()}, tokenizer)
-                if self.cfg.model.share_critic_backbone:  # the backbone is the policy's: store the head only
-                    critic_sd = {k: v for k, v in critic_sd.items() if k.startswith("value_head.")}
-                ckpt_files.save_weights(critic_sd, tmp / ckpt_files.CRITIC_FILE)
+                if critic_sd is not None:
+                    if self.cfg.model.share_critic_backbone:  # the backbone is the policy's: store the head only
+                        critic_sd = {k: v for k, v in critic_sd.items() if k.startswith("value_head.")}
+                    ckpt_files.save_weights(critic_sd, tmp / ckpt_files.CRITIC_FILE)
                 if self.frozen_lm is not None:
                     ckpt_files.save_model_dir(tmp / ckpt_files.FROZEN_POLICY_DIR, self.frozen_lm, self.frozen_lm.state_dict(), tokenizer)
                 if not self.use_ds:  # the whole state, the same on every rank
-                    atomic_torch_save(tmp / ckpt_files.optimizer_file("actor", None), self.actor_opt.state_dict())
-                    atomic_torch_save(tmp / ckpt_files.optimizer_file("critic", None), self.critic_opt.state_dict())
+                    for name, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
+                        if opt is not None:
+                            atomic_torch_save(tmp / ckpt_files.optimizer_file(name, None), opt.state_dict())
                 atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": self.stage, "collectors": cols, "generators": gens, "rng": rngs,
                                                                   "policy_version": self.policy_version})
             acc.wait_for_everyone()  # every rank's optimizer partition is on disk before the manifest is taken
@@ -787,9 +815,10 @@ class Trainer:
         checkpoint *will* have: evidence is written first, the checkpoint's rename commits the iteration."""
         a = self.cfg.algo
         meta = {
-            "estimator": {"gamma": a.gamma, "alpha": a.alpha, "lmbda": a.lmbda, "lambda_length": a.lambda_length,
-                          "cross_trajectory": a.cross_trajectory, "value_target": a.value_target,
-                          "boundary": a.boundary, "whiten": a.whiten_advantage},
+            "estimator": ({"name": "gae", "gamma": a.gamma, "alpha": a.alpha, "lmbda": a.lmbda, "lambda_length": a.lambda_length,
+                           "cross_trajectory": a.cross_trajectory, "value_target": a.value_target,
+                           "boundary": a.boundary, "whiten": a.whiten_advantage} if self.use_critic else
+                          {"name": "group", "group_baseline": a.group_baseline, "group_scale": a.group_scale}),
             "world_size": self.world,
             "checkpoint": str(checkpoint.relative_to(self.run_dir)),
             "aggregation": a.aggregation,

@@ -62,7 +62,10 @@ its ranks (segments of one rollout may sit on different ranks). Checks (names as
   no unknown provenance value; loss_mask holds only 0/1.
 * ``n_after_rollout_length``: both recomputed from the complete rollouts match every stored row.
 * ``advantages_value_targets``: recomputed by the plain per-segment loop below (not crl.objectives) and within
-  the tolerance (max abs error reported); advantage and value target exactly 0 off the loss mask.
+  the tolerance (max abs error reported); advantage and value target exactly 0 off the loss mask. A critic-free
+  run (meta estimator ``{"name": "group", "group_baseline", "group_scale"}``) is recomputed as each episode's
+  reward minus its group's baseline (rows' ``group_id``), value target 0; it lists no critic gradient norm and its
+  checkpoints hold no critic.
 * ``grad_norms``: every actor and critic entry finite and >= 0; both non-empty, except the actor list of a
   critic warm-up iteration (meta ``critic_warmup: true``), which must be empty, and both lists of an
   ``update_skipped`` iteration, which must be empty; the run holds >= 1 actor entry,
@@ -94,6 +97,7 @@ TOLERANCE = 5e-5
 EVIDENCE_FILES = ("rollout.pt", "training.pt", "grad_norms.json", "meta.json")
 CHECKPOINT_FILES = ("policy/config.json", "policy/model.safetensors", "critic.safetensors", "meta.json")
 ESTIMATOR_KEYS = ("gamma", "alpha", "lmbda", "lambda_length", "cross_trajectory", "value_target", "boundary", "whiten")
+GROUP_ESTIMATOR_KEYS = ("group_baseline", "group_scale")  # estimator "name": "group" (critic-free)
 ROW_KEYS = ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "reward", "status",
             "tokens", "provenance", "attention_mask", "loss_mask", "sample_log_prob")
 TRAIN_KEYS = ("state_value", "advantage", "value_target")
@@ -148,6 +152,7 @@ class Row:
     lm: np.ndarray  # loss mask as int64
     logp: np.ndarray
     where: str  # "iter_N/rank_R/file"
+    group: int | None = None  # group_id (episodes of one task in a batch), when the run wrote it
     value: np.ndarray | None = None
     adv: np.ndarray | None = None
     vt: np.ndarray | None = None
@@ -180,6 +185,7 @@ def load_rows(path: Path, where: str, training: bool) -> list[Row]:
             reward=float(a["reward"][s]), status=int(a["status"][s]),
             tokens=tok("tokens"), prov=tok("provenance").astype(np.int64), attn=tok("attention_mask"),
             lm=tok("loss_mask").astype(np.int64), logp=tok("sample_log_prob"), where=where,
+            group=int(a["group_id"][s]) if "group_id" in a else None,
         )
         if training:
             row.value, row.adv, row.vt = tok("state_value"), tok("advantage"), tok("value_target")
@@ -322,10 +328,11 @@ class Audit:
                                         "do not match the directory")
                     world.add(meta.get("world_size"))
                     e = meta.get("estimator")
-                    if not isinstance(e, dict) or any(k not in e for k in ESTIMATOR_KEYS):
-                        problems.append(f"{where}/meta.json: estimator must hold {list(ESTIMATOR_KEYS)}, got {e}")
+                    keys = GROUP_ESTIMATOR_KEYS if isinstance(e, dict) and e.get("name") == "group" else ESTIMATOR_KEYS
+                    if not isinstance(e, dict) or any(k not in e for k in keys) or e.get("name", "gae") not in ("gae", "group"):
+                        problems.append(f"{where}/meta.json: estimator must hold {list(keys)} (name gae or group), got {e}")
                     else:
-                        est.append({k: e[k] for k in ESTIMATOR_KEYS})
+                        est.append({"name": e.get("name", "gae"), **{k: e[k] for k in keys}})
                     if not isinstance(meta.get("checkpoint"), str):
                         problems.append(f"{where}/meta.json: no 'checkpoint' path")
                     for flag in ("critic_warmup", "frozen_summary", "update_skipped"):
@@ -639,43 +646,10 @@ class Audit:
             est = self.estimator.get(it)
             if est is None:
                 raise RuntimeError(f"iteration {it}: no estimator settings in meta.json")
-            gamma = float(est["gamma"])
-            if est["lambda_length"] not in ("segment", "rollout") or est["value_target"] not in ("local", "corrected") \
-                    or est["boundary"] not in ("terminal", "bootstrap"):
-                raise RuntimeError(f"iteration {it}: unsupported estimator settings {est}")
-            if est["lmbda"] is None and est["alpha"] is not None and not float(est["alpha"]) > 0:
-                raise RuntimeError(f"iteration {it}: alpha must be > 0, got {est['alpha']}")
-            bootstrap = est["boundary"] == "bootstrap"
-            if bootstrap and est["cross_trajectory"]:
-                raise RuntimeError(f"iteration {it}: boundary='bootstrap' with cross_trajectory=True is not a valid "
-                                   "estimator (the trainer's estimator refuses it)")
-            rows, _ = self._index(self.train[it], False)
-            by: dict[int, dict[int, Row]] = {}
-            for row in rows.values():
-                by.setdefault(row.rid, {})[row.seg] = row
-            results = []  # (row, A_hat, target) over optimized positions
-            for row in rows.values():
-                pos = np.nonzero(row.lm == 1)[0]
-                V = [float(v) for v in row.value[pos]]
-                kl = [float(k) for k in row.kl[pos]] if row.kl is not None else None
-                lam = segment_lambda(est, len(pos), row.rollout_length)
-                boot = None
-                if bootstrap and row.n_after > 0:
-                    later = [by[row.rid][k] for k in sorted(by[row.rid]) if k > row.seg]
-                    nxt = next((r for r in later if (r.lm == 1).any()), None)
-                    if nxt is None:
-                        raise RuntimeError(f"iteration {it} rollout {row.rid} segment {row.seg}: n_after > 0 but no later "
-                                           "segment with optimized tokens is in training.pt (bootstrap value unknown)")
-                    boot = float(nxt.value[np.nonzero(nxt.lm == 1)[0][0]])
-                A_loc, A_hat = segment_gae(V, row.reward, row.n_after, lam, gamma, bool(est["cross_trajectory"]), kl, boot)
-                target = [(a if est["value_target"] == "local" else h) + v for a, h, v in zip(A_loc, A_hat, V)]
-                results.append((row, pos, A_hat, target))
-            if est["whiten"]:
-                flat = [a for _, _, A_hat, _ in results for a in A_hat]
-                count = max(len(flat), 1)
-                mean = sum(flat) / count
-                std = math.sqrt(max(sum((a - mean) ** 2 for a in flat) / count, 0.0))
-                results = [(r, p, [(a - mean) / (std + WHITEN_EPS) for a in A_hat], t) for r, p, A_hat, t in results]
+            if est["name"] == "group":
+                results = self._group_advantages(it, est)
+            else:
+                results = self._gae_advantages(it, est)
             for row, pos, A, target in results:
                 n_tok += len(pos)
                 if len(pos):
@@ -706,6 +680,80 @@ class Audit:
         return not problems, measured, "; ".join(first(problems, 3)) or (
             f"{n_tok} tokens: max abs error advantage {max_adv:.2e}, value_target {max_vt:.2e} <= {self.tol:g}; 0 off-mask")
 
+    def _gae_advantages(self, it: int, est: dict) -> list:
+        """``[(row, optimized positions, advantage, value target)]`` of iteration ``it``: the plain per-segment GAE loop."""
+        gamma = float(est["gamma"])
+        if est["lambda_length"] not in ("segment", "rollout") or est["value_target"] not in ("local", "corrected") \
+                or est["boundary"] not in ("terminal", "bootstrap"):
+            raise RuntimeError(f"iteration {it}: unsupported estimator settings {est}")
+        if est["lmbda"] is None and est["alpha"] is not None and not float(est["alpha"]) > 0:
+            raise RuntimeError(f"iteration {it}: alpha must be > 0, got {est['alpha']}")
+        bootstrap = est["boundary"] == "bootstrap"
+        if bootstrap and est["cross_trajectory"]:
+            raise RuntimeError(f"iteration {it}: boundary='bootstrap' with cross_trajectory=True is not a valid "
+                               "estimator (the trainer's estimator refuses it)")
+        rows, _ = self._index(self.train[it], False)
+        by: dict[int, dict[int, Row]] = {}
+        for row in rows.values():
+            by.setdefault(row.rid, {})[row.seg] = row
+        results = []  # (row, A_hat, target) over optimized positions
+        for row in rows.values():
+            pos = np.nonzero(row.lm == 1)[0]
+            V = [float(v) for v in row.value[pos]]
+            kl = [float(k) for k in row.kl[pos]] if row.kl is not None else None
+            lam = segment_lambda(est, len(pos), row.rollout_length)
+            boot = None
+            if bootstrap and row.n_after > 0:
+                later = [by[row.rid][k] for k in sorted(by[row.rid]) if k > row.seg]
+                nxt = next((r for r in later if (r.lm == 1).any()), None)
+                if nxt is None:
+                    raise RuntimeError(f"iteration {it} rollout {row.rid} segment {row.seg}: n_after > 0 but no later "
+                                       "segment with optimized tokens is in training.pt (bootstrap value unknown)")
+                boot = float(nxt.value[np.nonzero(nxt.lm == 1)[0][0]])
+            A_loc, A_hat = segment_gae(V, row.reward, row.n_after, lam, gamma, bool(est["cross_trajectory"]), kl, boot)
+            target = [(a if est["value_target"] == "local" else h) + v for a, h, v in zip(A_loc, A_hat, V)]
+            results.append((row, pos, A_hat, target))
+        if est["whiten"]:
+            flat = [a for _, _, A_hat, _ in results for a in A_hat]
+            count = max(len(flat), 1)
+            mean = sum(flat) / count
+            std = math.sqrt(max(sum((a - mean) ** 2 for a in flat) / count, 0.0))
+            results = [(r, p, [(a - mean) / (std + WHITEN_EPS) for a in A_hat], t) for r, p, A_hat, t in results]
+        return results
+
+    def _group_advantages(self, it: int, est: dict) -> list:
+        """The critic-free group baseline, recomputed by a plain loop: for each episode ``e`` of group ``g`` (its rows'
+        ``group_id``), ``A_e = R_e - mean of the group's other rewards`` (``leave_one_out``) or ``- the group's mean``
+        (``mean``), divided by the group's population std (+1e-6) with ``group_scale: std``; on every optimized token
+        of every segment of the episode; value target 0 (no critic)."""
+        if est["group_baseline"] not in ("mean", "leave_one_out") or est["group_scale"] not in ("none", "std"):
+            raise RuntimeError(f"iteration {it}: unsupported group estimator settings {est}")
+        rows, _ = self._index(self.train[it], False)
+        reward, group = {}, {}
+        for row in rows.values():
+            if row.group is None:
+                raise RuntimeError(f"iteration {it}: {row.where} has no group_id, which the group estimator needs")
+            reward[row.rid], group[row.rid] = row.reward, row.group
+        members: dict[int, list[int]] = {}
+        for rid, g in group.items():
+            members.setdefault(g, []).append(rid)
+        adv = {}
+        for g, rids in members.items():
+            rs = [reward[r] for r in rids]
+            mean = sum(rs) / len(rs)
+            std = math.sqrt(sum((x - mean) ** 2 for x in rs) / len(rs))
+            for r in rids:
+                if est["group_baseline"] == "mean":
+                    a = reward[r] - mean
+                else:
+                    a = reward[r] - (sum(rs) - reward[r]) / (len(rs) - 1) if len(rs) > 1 else 0.0
+                adv[r] = a / (std + 1e-6) if est["group_scale"] == "std" else a
+        results = []
+        for row in rows.values():
+            pos = np.nonzero(row.lm == 1)[0]
+            results.append((row, pos, [adv[row.rid]] * len(pos), [0.0] * len(pos)))
+        return results
+
     def check_grad_norms(self):
         if not self.units:
             raise RuntimeError("no evidence directory")
@@ -724,6 +772,11 @@ class Audit:
                     problems.append(f"{where}: no list {k!r}")
                     continue
                 warmup = self.meta.get((it, r), {}).get("critic_warmup") is True
+                critic_free = (self.meta.get((it, r), {}).get("estimator") or {}).get("name") == "group"
+                if k == "critic" and critic_free:  # algo.estimator=group builds no critic
+                    if vals:
+                        problems.append(f"{where}: the run is critic-free (estimator group) but {len(vals)} critic gradient norms are listed")
+                    continue
                 if self.meta.get((it, r), {}).get("update_skipped") is True:  # nothing trained: nothing may be listed
                     if vals:
                         problems.append(f"{where}: meta.json says update_skipped but {len(vals)} {k} gradient norms are listed")
@@ -740,7 +793,10 @@ class Audit:
                         lo, hi = min(lo, v), max(hi, v)
                         positive[k] += v > 0
                 counts[k] += len(vals)
+        critic_free = all((m.get("estimator") or {}).get("name") == "group" for m in self.meta.values()) and bool(self.meta)
         for k, c in counts.items():
+            if k == "critic" and critic_free:
+                continue
             if c == 0:
                 problems.append(f"no {k} gradient norm in the whole run")
             elif positive[k] == 0:
@@ -761,6 +817,13 @@ class Audit:
         if bad_keys:
             raise ValueError(f"policy/ does not load exactly: {bad_keys}")
         sd = actor.state_dict()
+        info["actor_parameters"] = sum(p.numel() for p in actor.parameters())
+        info["model_type"] = actor.config.model_type
+        if not (path / "critic.safetensors").is_file():  # a critic-free run (checked by the caller)
+            bad = [k for k, v in sd.items() if torch.is_floating_point(v) and not torch.isfinite(v).all()]
+            if bad:
+                raise ValueError(f"actor: non-finite parameters {sorted(bad)[:5]}")
+            return info
         critic = ValueModel(AutoModel.from_config(actor.config), actor.config.hidden_size)
         csd = load_file(str(path / "critic.safetensors"))
         if all(k.startswith("value_head.") for k in csd):  # the critic shares the policy's backbone: its head only
@@ -775,7 +838,6 @@ class Audit:
             if bad:
                 raise ValueError(f"{name}: non-finite parameters {sorted(set(bad))[:5]}")
             info[f"{name}_parameters"] = sum(p.numel() for p in model.parameters())
-        info["model_type"] = actor.config.model_type
         return info
 
     def check_checkpoint(self):
@@ -801,7 +863,8 @@ class Audit:
                 if not path.is_dir():
                     entry["error"] = "does not exist"
                 else:
-                    missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
+                    critic_free = (meta.get("estimator") or {}).get("name") == "group"
+                    missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file() and not (critic_free and f == "critic.safetensors")]
                     if missing:
                         entry["error"] = f"missing {missing}"
                     else:
@@ -853,8 +916,9 @@ class Audit:
             problems.append("no checkpoint referenced by the evidence")
         for rel in cps:
             cp = self.run / rel
+            critic_free = any((m.get("estimator") or {}).get("name") == "group" for m in self.meta.values() if m.get("checkpoint") == rel)
             for f in CHECKPOINT_FILES:
-                add(cp / f, "checkpoint", True)
+                add(cp / f, "checkpoint", not (critic_free and f == "critic.safetensors"))
             if cp.is_dir():
                 for extra in sorted(p for p in cp.rglob("*") if p.is_file() and p.relative_to(cp).as_posix() not in CHECKPOINT_FILES):
                     add(extra, "checkpoint", False)

@@ -7,8 +7,9 @@
 Each arm is ``CONFIG_DIR/ARM.yaml`` (layered on ``base.yaml``). Each (arm, seed) runs as a ``scripts/train.py``
 subprocess with ``run_dir=DIR/runs/ARM_seedS train.seed=S`` (plus ``--set`` overrides and, with ``--quick``,
 :data:`QUICK`), at most ``--parallel`` at a time (default 2; one torch thread each), then ``scripts/audit.py`` on
-its run directory, then ``scripts/evaluate.py`` on its final checkpoint (``--final-episodes`` dev episodes, default 240:
-each of the 60 dev tasks 4 times, a quarter of the training-time evaluation's noise). The arms of one seed share its warm start (``warm_start.cache_dir=DIR/warm_start_cache``: computed
+its run directory, then ``scripts/evaluate.py`` on its final checkpoint (``--final-episodes`` episodes of
+``--final-split``, default 240 dev episodes: each of the 60 dev tasks 4 times, a quarter of the training-time
+evaluation's noise). With a joint and a frozen arm the report carries the preregistered gate (:data:`GATE`). The arms of one seed share its warm start (``warm_start.cache_dir=DIR/warm_start_cache``: computed
 by the first, loaded bit-identically by the others). Logs: ``DIR/logs/ARM_seedS.{train,audit}.log``; wall times: ``DIR/logs/ARM_seedS.json``.
 
 Resumable: rerun the same command. A finished run is recognised by the trainer itself (``scripts/train.py`` on
@@ -17,7 +18,7 @@ checkpoint; an ``audit.json`` newer than the run's ``metrics.jsonl`` is reused i
 
 Writes, atomically, ``DIR/report.json``::
 
-    {"task": {...}, "compactions_per_episode": int, "machine": str, "wall_s": float,
+    {"task": {...}, "gate": {"verdict", "checks"} | null, "compactions_per_episode": int, "machine": str, "wall_s": float,
      "arms": {arm: {"config": {...}, "summary": {...},
                     "seeds": {seed: {"iter0_dev_success", "final_dev_success", "audit": "PASS"|"FAIL",
                                      "curve": [[iteration, dev_success], ...],
@@ -60,6 +61,10 @@ from crl.tracking import read_records  # noqa: E402
 
 ARMS = ("joint", "joint_segment_lambda", "frozen", "no_cross_trajectory", "segment_mean", "ppo_epochs")
 SEEDS = (7, 17, 29)
+
+#: The reproduction notes' preregistered gate (docs/lm_study.md), judged on the final evaluation of every seed:
+#: the joint arm's mean >= 0.95, every joint seed >= 0.90, joint mean - frozen mean >= 0.30, and every audit PASS.
+GATE = {"joint_mean": 0.95, "joint_min": 0.90, "joint_minus_frozen": 0.30}
 
 #: Overrides of ``--quick``: a tiny task that still compacts 3 times, with enough warm start and episodes that
 #: some rewards are non-zero (the audit needs finite, non-zero actor grad norms; all-zero rewards give zero).
@@ -110,6 +115,7 @@ class Study:
                         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self.jobs = [(arm, seed) for arm in args.arms for seed in args.seeds]
         self.final_episodes = args.final_episodes if args.final_episodes is not None else (8 if args.quick else 240)
+        self.final_split = args.final_split
         self.done = 0
 
     # -------------------------------------------------------------------------------- configs
@@ -197,21 +203,22 @@ class Study:
         return verdict, time.perf_counter() - t0, False
 
     def final_eval(self, run_dir: Path, logs: Path) -> dict | None:
-        """The final checkpoint on ``--final-episodes`` dev episodes (scripts/evaluate.py: the dev tasks in order,
-        each played several times), or None when disabled or it failed. Reused when newer than ``metrics.jsonl``."""
-        n = self.final_episodes
+        """The final checkpoint on ``--final-episodes`` episodes of ``--final-split`` (scripts/evaluate.py: the split's
+        tasks in order, each played several times), or None when disabled or it failed. Reused when newer than
+        ``metrics.jsonl``."""
+        n, split = self.final_episodes, self.final_split
         if not n:
             return None
-        out, metrics = run_dir / f"eval_dev_{n}.json", run_dir / "metrics.jsonl"
+        out, metrics = run_dir / f"eval_{split}_{n}.json", run_dir / "metrics.jsonl"
         if not (out.is_file() and metrics.is_file() and out.stat().st_mtime >= metrics.stat().st_mtime):
             with open(logs.with_suffix(".eval.log"), "w") as log:
-                subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--episodes", str(n), "--out", str(out)],
-                               cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--split", split, "--episodes", str(n),
+                                "--out", str(out)], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         if not out.is_file():
             say(f"final evaluation of {run_dir} failed (log {logs.with_suffix('.eval.log')})")
             return None
         r = json.loads(out.read_text())
-        return {k: r[k] for k in ("episodes", "tasks", "success", "stderr", "iteration")}
+        return {k: r[k] for k in ("split", "episodes", "tasks", "success", "stderr", "iteration", "wall_s")}
 
     # -------------------------------------------------------------------------------- report
     @staticmethod
@@ -245,7 +252,8 @@ class Study:
             "env": e.name, "length": e.length, "n_facts": e.n_facts, "compaction_steps": e.compaction_steps,
             "forced_compactions": len(e.compaction_steps) if e.compaction_steps is not None else None,
             "keep_recent": c.keep_recent, "early_submit": e.early_submit, "chance": 1 / e.n_facts,
-            "dev_episodes": first.eval.episodes, "final_eval_episodes": self.final_episodes, "model": first.model.preset, "iterations": first.train.iterations,
+            "dev_episodes": first.eval.episodes, "final_eval_episodes": self.final_episodes, "final_eval_split": self.final_split,
+            "model": first.model.preset, "iterations": first.train.iterations,
             "curriculum": [dataclasses.asdict(s) for s in first.train.curriculum], "quick": self.args.quick,
         }
         arms, comp_max, comp_means = {}, [], []
@@ -262,6 +270,8 @@ class Study:
                 seeds[str(seed)] = {**run, **results.get((arm, seed), {}), "run_dir": str(self.run_dir(arm, seed).relative_to(self.out))}
             finals = [s["final_dev_success"] for s in seeds.values() if s["final_dev_success"] is not None]
             evals = [s["final_eval"]["success"] for s in seeds.values() if s.get("final_eval")]
+            walls = [s["train_wall_s"] for s in seeds.values() if s.get("train_wall_s") is not None]
+            t = cfgs[arm].train
             starts = [s["iter0_dev_success"] for s in seeds.values() if s["iter0_dev_success"] is not None]
             arms[arm] = {
                 "config": {"file": os.path.relpath(self.arm_file(arm), ROOT), "overrides": self.overrides,
@@ -272,12 +282,19 @@ class Study:
                     "iter0_dev_success_mean": sum(starts) / len(starts) if starts else None,
                     "final_eval_success_mean": sum(evals) / len(evals) if evals else None,
                     "final_eval_success_min": min(evals) if evals else None,
+                    # the standard error of the mean over seeds (sample standard deviation / sqrt(seeds))
+                    "final_eval_success_se": (math.sqrt(sum((x - sum(evals) / len(evals)) ** 2 for x in evals) / (len(evals) - 1) / len(evals))
+                                              if len(evals) > 1 else None),
+                    # environment episodes each run trains on (the budget, equal across arms when they match)
+                    "train_episodes_per_run": t.iterations * t.episodes_per_batch,
+                    "train_wall_s_mean": sum(walls) / len(walls) if walls else None,
                     "audits_pass": sum(s["audit"] == "PASS" for s in seeds.values()), "seeds": len(seeds),
                 },
                 "seeds": seeds,
             }
         return {
             "task": task,
+            "gate": self.gate(arms),
             "compactions_per_episode": int(round(max(comp_max))) if comp_max else 0,
             "compactions_per_episode_mean": sum(comp_means) / len(comp_means) if comp_means else None,
             "machine": machine(),
@@ -286,6 +303,29 @@ class Study:
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "arms": arms,
         }
+
+    @staticmethod
+    def gate(arms: dict) -> dict | None:
+        """The preregistered gate (:data:`GATE`) on the final evaluations, when the study has a joint and a frozen arm:
+        ``{"verdict": "PASS" | "FAIL", "checks": {name: {"value", "threshold", "pass"}}}``. A seed without a final
+        evaluation fails it; the thresholds are constants of this script, never arguments."""
+        if "joint" not in arms or "frozen" not in arms:
+            return None
+        evals = {arm: [s["final_eval"]["success"] if s.get("final_eval") else None for s in arms[arm]["seeds"].values()] for arm in ("joint", "frozen")}
+        complete = all(v is not None for vs in evals.values() for v in vs)
+        joint = [v for v in evals["joint"] if v is not None]
+        frozen = [v for v in evals["frozen"] if v is not None]
+        jm = sum(joint) / len(joint) if joint else float("nan")
+        fm = sum(frozen) / len(frozen) if frozen else float("nan")
+        audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
+        checks = {
+            "joint_mean": {"value": jm, "threshold": GATE["joint_mean"], "pass": complete and jm >= GATE["joint_mean"]},
+            "joint_min": {"value": min(joint) if joint else None, "threshold": GATE["joint_min"], "pass": complete and min(joint) >= GATE["joint_min"]},
+            "joint_minus_frozen": {"value": jm - fm, "threshold": GATE["joint_minus_frozen"], "pass": complete and jm - fm >= GATE["joint_minus_frozen"]},
+            "all_audits_pass": {"value": audits, "threshold": True, "pass": audits},
+            "every_seed_evaluated": {"value": complete, "threshold": True, "pass": complete},
+        }
+        return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks}
 
     @staticmethod
     def plot(report: dict, png: Path) -> None:
@@ -343,6 +383,10 @@ class Study:
             say(f"{arm:22s} dev success iter0 {fmt(s['iter0_dev_success_mean'])} -> final mean {fmt(s['final_dev_success_mean'])} "
                 f"(min {fmt(s['final_dev_success_min'])}); final eval mean {fmt(s['final_eval_success_mean'])} "
                 f"(min {fmt(s['final_eval_success_min'])}); audits {s['audits_pass']}/{s['seeds']} PASS")
+        if report["gate"] is not None:
+            g = report["gate"]
+            say(f"gate: {g['verdict']} (" + "; ".join(f"{k} {c['value']:.3f} vs {c['threshold']}" if isinstance(c["value"], float) else f"{k} {c['value']}"
+                                                    for k, c in g["checks"].items()) + f"; final evaluation on {self.final_split})")
         say(f"wrote {self.out / 'report.json'} and {self.out / 'curves.png'} in {time.perf_counter() - t0:.0f} s; "
             f"{'all runs trained and audited PASS' if ok else 'SOME RUNS FAILED (see above)'}")
         return 0 if ok else 1
@@ -358,8 +402,10 @@ def main(argv=None) -> int:
     ap.add_argument("--config-dir", default=str(ROOT / "configs" / "study"), help="where ARM.yaml and base.yaml live")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run (after --quick's)")
     ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
-    ap.add_argument("--final-episodes", type=int, default=None, help="dev episodes of each run's final-checkpoint evaluation "
-                    "(scripts/evaluate.py; default 240 = each of the 60 dev tasks 4 times; 8 with --quick; 0: none)")
+    ap.add_argument("--final-episodes", type=int, default=None, help="episodes of each run's final-checkpoint evaluation "
+                    "(scripts/evaluate.py; default 240 = each of the 60 tasks 4 times; 8 with --quick; 0: none)")
+    ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation (the reported "
+                    "number; dev is also what the training curves use, so test is the held-out one)")
     args = ap.parse_args(argv)
     if args.parallel < 1:
         ap.error("--parallel must be >= 1")

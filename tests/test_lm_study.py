@@ -243,3 +243,91 @@ def test_lm_study_quick_report_and_resume(tmp_path):
     assert report3["seeds"]["8"]["audit"] == "NOT RUN" and report3["seeds"]["8"]["curve"] == [] and report3["seeds"]["8"]["final_dev_success"] is None
     assert report3["summary"]["final_dev_success_mean"] == report3["seeds"]["7"]["final_dev_success"]
     assert not (out / "runs" / "joint_seed8").exists()
+
+
+STUDY96 = ROOT / "configs" / "study96"
+
+
+def test_study96_is_the_seeds_task_without_a_shortcut():
+    """configs/study96: the reproduction notes' task (96 items, compaction forced after 24 / 48 / 72, k = 2,
+    early_submit fail); a summary-blind policy scores at chance + 5 points at most for every guess, through three
+    compactions; the eager one (the shortcut) gets 0."""
+    cfg = load_config(STUDY96 / "joint.yaml")
+    assert (cfg.env.length, cfg.env.compaction_steps, cfg.compaction.keep_recent, cfg.env.early_submit) == (96, [24, 48, 72], 2, "fail")
+    assert cfg.train.curriculum[-1].length == 96 and cfg.train.curriculum[-1].compaction_steps == [24, 48, 72]
+    success, _, _ = play_blind(cfg, "0", eager=True)
+    assert success == 0.0
+    for guess in range(cfg.env.n_facts):
+        success, statuses, compactions = play_blind(cfg, str(guess), eager=False)
+        assert set(compactions) == {3} and set(statuses) == {EpisodeStatus.COMPLETED}
+        assert success <= 1 / cfg.env.n_facts + 0.05, (guess, success)
+
+
+def test_study96_arms_differ_only_in_what_they_test_and_share_the_budget():
+    from crl.config import to_dict
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    joint = flat(to_dict(load_config(STUDY96 / "joint.yaml")))
+    expected = {
+        "frozen": {"algo.frozen_summary": True},
+        "no_cross_trajectory": {"algo.cross_trajectory": False},
+        "segment_mean": {"algo.aggregation": "segment_mean"},
+        "group": {"algo.estimator": "group", "train.group_size": 4, "train.critic_warmup_iterations": 0},
+    }
+    for arm, diff in expected.items():
+        cfg = flat(to_dict(load_config(STUDY96 / f"{arm}.yaml")))
+        assert {k: v for k, v in cfg.items() if joint[k] != v and k != "run_dir"} == diff, arm
+        assert cfg["train.iterations"] * cfg["train.episodes_per_batch"] == joint["train.iterations"] * joint["train.episodes_per_batch"]
+
+
+def test_gate_is_computed_from_the_final_evaluations():
+    """The preregistered gate: joint mean >= 0.95, every joint seed >= 0.90, joint - frozen >= 0.30, every audit PASS;
+    a seed without a final evaluation fails it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lm_study_script", ROOT / "scripts" / "lm_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def arms(joint, frozen, audit="PASS"):
+        seed = lambda v: {"final_eval": None if v is None else {"success": v}, "audit": audit}  # noqa: E731
+        return {"joint": {"seeds": {str(i): seed(v) for i, v in enumerate(joint)}}, "frozen": {"seeds": {str(i): seed(v) for i, v in enumerate(frozen)}}}
+
+    assert mod.Study.gate(arms([0.96, 0.95, 0.97], [0.3, 0.25, 0.28]))["verdict"] == "PASS"
+    g = mod.Study.gate(arms([0.99, 0.99, 0.89], [0.3, 0.25, 0.28]))
+    assert g["verdict"] == "FAIL" and not g["checks"]["joint_min"]["pass"] and g["checks"]["joint_mean"]["pass"]
+    assert not mod.Study.gate(arms([0.96, 0.95, 0.94], [0.3, 0.25, 0.28]))["checks"]["joint_mean"]["pass"]  # mean 0.9500 - eps
+    assert not mod.Study.gate(arms([0.96, 0.96, 0.96], [0.7, 0.7, 0.7]))["checks"]["joint_minus_frozen"]["pass"]
+    assert mod.Study.gate(arms([0.96, 0.96, 0.96], [0.3, 0.3, 0.3], audit="FAIL"))["verdict"] == "FAIL"
+    assert mod.Study.gate(arms([0.96, None, 0.96], [0.3, 0.3, 0.3]))["verdict"] == "FAIL"
+    assert mod.Study.gate({"joint": {"seeds": {}}}) is None  # no frozen arm: no gate
+
+
+def test_lm_study_quick_covers_the_group_estimator_and_the_test_split(tmp_path):
+    """--quick on configs/study96 with the critic-free group arm beside joint and frozen: all three train, audit
+    PASS, are evaluated on the test split, and the report carries the gate and each arm's budget and wall time."""
+    out = tmp_path / "study96"
+    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--config-dir", str(STUDY96), "--arms", "joint", "frozen", "group",
+           "--seeds", "7", "--out", str(out), "--final-split", "test"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gate: " in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["gate"]["verdict"] in ("PASS", "FAIL") and set(report["gate"]["checks"]) == {
+        "joint_mean", "joint_min", "joint_minus_frozen", "all_audits_pass", "every_seed_evaluated"}
+    assert report["task"]["final_eval_split"] == "test"
+    group = report["arms"]["group"]
+    assert group["config"]["differs_from_base"]["algo.estimator"] == "group"
+    budgets = {arm: a["summary"]["train_episodes_per_run"] for arm, a in report["arms"].items()}
+    assert len(set(budgets.values())) == 1, budgets
+    for arm, a in report["arms"].items():
+        s = a["seeds"]["7"]
+        assert s["audit"] == "PASS" and s["final_eval"]["split"] == "test" and (out / s["run_dir"] / "eval_test_8.json").is_file(), arm
+    meta = json.loads((out / group["seeds"]["7"]["run_dir"] / "evidence" / "iter_000001" / "rank_0" / "meta.json").read_text())
+    assert meta["estimator"]["name"] == "group"

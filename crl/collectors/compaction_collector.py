@@ -84,6 +84,7 @@ class _Live:
     task: object
     env: object
     ctx: EpisodeContext
+    group_id: int = -1
     info: dict = field(default_factory=dict)
 
 
@@ -141,6 +142,9 @@ class CompactionCollector:
             :meth:`_call_env`). Malformed environment output (not a ``StepResult``, ``observation`` not a
             ``str``, ...) ends only that episode, FAILED with ``EnvOutputError``.
         progress: show a tqdm bar of episodes and generated tokens.
+        group_size: ``G`` consecutive episodes of this rank play the same task (a group, for a critic-free group
+            baseline: :class:`crl.objectives.GroupRelativeAdvantage`); ``episodes_per_batch`` must be a multiple
+            of it. Every row carries ``group_id``: the rollout id of its group's first episode.
     """
 
     def __init__(
@@ -165,6 +169,7 @@ class CompactionCollector:
         step_timeout: float | None = None,
         progress: bool = True,
         engine_kwargs: dict | None = None,
+        group_size: int = 1,
     ):
         if episodes_per_batch < 1:
             raise ValueError(f"episodes_per_batch must be >= 1, got {episodes_per_batch}")
@@ -172,6 +177,8 @@ class CompactionCollector:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if max_action_tokens < 1:
             raise ValueError(f"max_action_tokens must be >= 1, got {max_action_tokens}")
+        if group_size < 1 or episodes_per_batch % group_size:
+            raise ValueError(f"group_size={group_size} must be >= 1 and divide episodes_per_batch={episodes_per_batch}")
         if step_timeout is not None and not (isinstance(step_timeout, numbers.Real) and 0 < step_timeout < math.inf):
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}")
         self.suite, self.split, self.tasks = suite, split, suite.tasks(split)
@@ -188,6 +195,7 @@ class CompactionCollector:
         self.max_action_tokens = max_action_tokens
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.tasks_in_order, self.step_timeout, self.progress = tasks_in_order, step_timeout, progress
+        self.group_size = group_size
         self.episodes_started = 0  # this rank's episode counter
         self.batches_yielded = 0
         self.last_episodes: list[EpisodeSummary] = []
@@ -218,7 +226,13 @@ class CompactionCollector:
     def _next_task(self, n: int):
         if self.tasks_in_order:  # by global episode id: ranks play disjoint tasks
             return self.tasks[(self.rank + self.world_size * n) % len(self.tasks)]
+        if self.group_size > 1:  # G consecutive episodes share one draw
+            return random.Random(f"{self.seed}|{self.rank}|group|{n // self.group_size}").choice(self.tasks)
         return random.Random(f"{self.seed}|{self.rank}|{n}").choice(self.tasks)
+
+    def _group_id(self, n: int) -> int:
+        """The rollout id of the first episode of episode ``n``'s group (unique across ranks, like rollout ids)."""
+        return self.rank + self.world_size * (n - n % self.group_size)
 
     def _call_env(self, fn, *args, what: str):
         """``fn(*args)``, within ``step_timeout`` seconds when one is set.
@@ -274,7 +288,7 @@ class CompactionCollector:
             n = self.episodes_started
             self.episodes_started += 1
             task = self._next_task(n)
-            ep = _Live(self.rank + self.world_size * n, task, self.suite.make_env(task), None)
+            ep = _Live(self.rank + self.world_size * n, task, self.suite.make_env(task), None, self._group_id(n))
             try:
                 ep.ctx = self.engine.start(self._reset_env(ep.env))
                 live.append(ep)
@@ -342,6 +356,7 @@ class CompactionCollector:
             segments = ep.ctx.segments()
             td = build_episode(segments, ep.rollout_id, reward, status)
             td["policy_version"] = torch.full((td.batch_size[0],), version, dtype=torch.int64)
+            td["group_id"] = torch.full((td.batch_size[0],), ep.group_id, dtype=torch.int64)
             rows_td.append(td)
             self.last_episodes.append(
                 EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"))

@@ -3,6 +3,7 @@
 * :mod:`crl.objectives.functional` — pure tensor functions (:func:`cross_trajectory_gae`, the chunked linear scan);
 * :mod:`crl.objectives.options` — the estimator's options and their one check (no torch import);
 * :mod:`crl.objectives.value` — :class:`CrossTrajectoryGAE`, a TorchRL ``ValueEstimatorBase``;
+* :mod:`crl.objectives.group` — :class:`GroupRelativeAdvantage`, the critic-free group baseline (GRPO / RLOO);
 * :mod:`crl.objectives.ppo` — :class:`CompactionPPOLoss`, a TorchRL ``LossModule``;
 * :mod:`crl.objectives.distributed` — the step's global token/segment counts (:class:`LossNormalizer`).
 
@@ -17,6 +18,7 @@ _EXPORTS = {
     "EstimatorOptionError": "options", "check_estimator_options": "options",
     "AGGREGATIONS": "ppo", "KL_TARGETS": "ppo", "CompactionPPOLoss": "ppo",
     "CrossTrajectoryGAE": "value",
+    "GroupRelativeAdvantage": "group", "group_relative_advantage": "functional",
 }
 __all__ = sorted(_EXPORTS)
 

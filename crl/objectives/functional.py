@@ -38,6 +38,9 @@ __all__ = [
     "cross_trajectory_gae",
     "next_segment_start_value",
     "masked_whiten",
+    "GROUP_BASELINES",
+    "GROUP_SCALES",
+    "group_relative_advantage",
 ]
 
 
@@ -415,3 +418,65 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, group=None) -> Ten
     mean = s1 / count
     var = (s2 / count - mean.square()).clamp_min(0.0)
     return torch.where(mask, (x64 - mean) / (var.sqrt() + eps), 0.0).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the critic-free group baseline
+# ----------------------------------------------------------------------------------------------------------
+
+GROUP_BASELINES = ("mean", "leave_one_out")
+GROUP_SCALES = ("none", "std")
+
+
+def group_relative_advantage(
+    reward: Tensor,
+    group_id: Tensor,
+    rollout_id: Tensor,
+    loss_mask: Tensor,
+    *,
+    baseline: str = "mean",
+    scale: str = "none",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Critic-free advantage of a group of episodes of the same task (GRPO / RLOO), per optimized token ``[S, T]``.
+
+    Episode ``e`` of group ``g`` (its ``G_g`` episodes present in the batch; rows of one episode share ``reward``):
+
+    * ``baseline="mean"`` (GRPO): ``A_e = R_e - mean_{e' in g} R_e'``;
+    * ``baseline="leave_one_out"`` (RLOO): ``A_e = R_e - mean_{e' in g, e' != e} R_e' = G_g / (G_g - 1) · (R_e - mean_g R)``;
+      0 for a group of one episode;
+    * ``scale="std"``: ``A_e / (std_g R + eps)`` (population standard deviation over the group; Dr. GRPO argues
+      against it, so ``"none"`` is the default).
+
+    The same ``A_e`` on every optimized token of every segment of the episode (summaries included), 0 elsewhere: the
+    whole episode is one action whose value is its reward relative to the group. No γ, λ or critic.
+    ``reward``, ``group_id``, ``rollout_id``: ``[S]``; ``loss_mask``: ``[S, T]``. float32 result.
+    """
+    if baseline not in GROUP_BASELINES:
+        raise EstimatorOptionError("group_baseline", f"{baseline!r} is not one of {GROUP_BASELINES}")
+    if scale not in GROUP_SCALES:
+        raise EstimatorOptionError("group_scale", f"{scale!r} is not one of {GROUP_SCALES}")
+    mask = _as_bool_mask(loss_mask)
+    S = reward.shape[0]
+    if S == 0:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    _check_finite("reward", reward, hint=" (group_relative_advantage)")
+    rollouts, row_rollout = torch.unique(rollout_id, return_inverse=True)
+    n_roll = rollouts.numel()
+    first = torch.full((n_roll,), S, dtype=torch.long, device=reward.device).scatter_reduce(
+        0, row_rollout, torch.arange(S, device=reward.device), reduce="amin")
+    R = reward[first].double()  # one reward per episode
+    groups, roll_group = torch.unique(group_id[first], return_inverse=True)
+    count = torch.zeros(groups.numel(), dtype=torch.float64, device=R.device).index_add_(0, roll_group, torch.ones_like(R))
+    total = torch.zeros_like(count).index_add_(0, roll_group, R)
+    mean = total / count
+    n = count[roll_group]
+    if baseline == "mean":
+        adv = R - mean[roll_group]
+    else:
+        adv = torch.where(n > 1, R - (total[roll_group] - R) / (n - 1).clamp_min(1), torch.zeros_like(R))
+    if scale == "std":
+        sq = torch.zeros_like(count).index_add_(0, roll_group, R * R)
+        std = (sq / count - mean * mean).clamp_min(0).sqrt()
+        adv = adv / (std[roll_group] + eps)
+    return (adv.float()[row_rollout].unsqueeze(-1) * mask).to(torch.float32)

@@ -14,6 +14,8 @@ makes the gradient independent of how the step is split into micro-batches and r
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -205,15 +207,10 @@ class CompactionPPOLoss(LossModule):
     def _forward_value_estimator_keys(self, **kwargs) -> None:
         if self._value_estimator is not None:
             k = self.tensor_keys
-            self._value_estimator.set_keys(
-                advantage=k.advantage,
-                value_target=k.value_target,
-                value=k.value,
-                reward=k.reward,
-                loss_mask=k.loss_mask,
-                n_after=k.n_after,
-                rollout_length=k.rollout_length,
-            )
+            mine = dict(advantage=k.advantage, value_target=k.value_target, value=k.value, reward=k.reward, loss_mask=k.loss_mask,
+                        n_after=k.n_after, rollout_length=k.rollout_length)
+            accepted = {f.name for f in dataclasses.fields(self._value_estimator._AcceptedKeys)}  # a group baseline reads no n_after
+            self._value_estimator.set_keys(**{name: key for name, key in mine.items() if name in accepted})
 
     def make_value_estimator(self, value_type=None, **hyperparams):
         """Build the advantage estimator (default :class:`CrossTrajectoryGAE`, ``gamma=1``, ``alpha=1.5``).
