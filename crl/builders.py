@@ -17,6 +17,14 @@ def build_suite(cfg, stage=None):
     """The task suite of ``cfg.env``, or of a curriculum ``stage`` (:class:`crl.config.CurriculumStage`: its
     length and, for the memory chain, its forced compaction schedule)."""
     e = cfg.env
+    if e.name == "custom":
+        from crl.config import ConfigValidationError
+        from crl.envs.factory import FactoryError, build_custom_suite
+
+        try:
+            return build_custom_suite(e.factory, e.kwargs, stage)
+        except FactoryError as err:
+            raise ConfigValidationError(f"env.factory: {err}") from None
     length = None if stage is None else stage.length
     if e.name == "memory_chain":
         n = e.length if length is None else length
@@ -118,13 +126,23 @@ def build_prompt_format(cfg, codec: TextCodec):
     from crl.chat import ChatFormat, ChatTemplateError, PlainFormat, load_chat_tokenizer
     from crl.config import ConfigValidationError
 
-    if cfg.prompt.format == "plain":  # the only other choice, "chat", is checked by crl.config
-        return PlainFormat(codec.encode)
+    p = cfg.prompt
+    texts = {name: getattr(p, key) for name, key in (("system_prompt", "system"), ("summary_instruction", "summary_instruction"),
+                                                    ("resume_prefix", "resume_prefix"), ("resume_suffix", "resume_suffix"))
+             if getattr(p, key) is not None}
+    if p.format == "plain":  # the only other choice, "chat", is checked by crl.config
+        if p.task_template is not None:
+            texts["format_task"] = lambda text, t=p.task_template: t.format(task=text)
+        if p.observation_template is not None:
+            texts["format_observation"] = lambda text, t=p.observation_template: t.format(observation=text)
+        _check_known_words(cfg, codec)
+        return PlainFormat(codec.encode, **texts)
+    texts.update({key: getattr(p, key) for key in ("task_template", "observation_template") if getattr(p, key) is not None})
     path = Path(cfg.model.preset)
     if not (path.is_dir() and (path / "tokenizer_config.json").exists()):
         raise ConfigValidationError(f"prompt.format: chat needs a local checkpoint with a chat template; model.preset={cfg.model.preset!r} is a preset with the project's word tokenizer (use plain)")
     try:
-        fmt = ChatFormat(load_chat_tokenizer(path))
+        fmt = ChatFormat(load_chat_tokenizer(path), **texts)
     except ChatTemplateError as err:
         raise ConfigValidationError(f"prompt.format: chat: {err}") from None
     if fmt.stop_id != codec.eos_id:
@@ -133,6 +151,25 @@ def build_prompt_format(cfg, codec: TextCodec):
             "set the checkpoint's eos_token to the end-of-turn token"
         )
     return fmt
+
+
+def _check_known_words(cfg, codec: TextCodec) -> None:
+    """Configured prompt texts in the project's word vocabulary: an unknown word would silently become ``<|unk|>``."""
+    from crl.config import ConfigValidationError
+    from crl.prompts import UNK
+
+    tok = codec.tokenizer
+    if tok is None or getattr(tok, "unk_token", None) != UNK:  # a checkpoint's own (subword) tokenizer covers any text
+        return
+    unk = tok.convert_tokens_to_ids(UNK)
+    for key in ("system", "summary_instruction", "resume_prefix", "resume_suffix", "task_template", "observation_template"):
+        text = getattr(cfg.prompt, key)
+        if text is None:
+            continue
+        words = [w for w in text.replace("{task}", " ").replace("{observation}", " ").split() if unk in codec.encode(w)]
+        if words:
+            raise ConfigValidationError(f"prompt.{key}: {words} are not in the project's word vocabulary (crl/modules/tokenizer.py) and would "
+                                        "all read as <|unk|>; use its words, or a checkpoint with its own tokenizer (model.preset)")
 
 
 def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
@@ -152,6 +189,34 @@ def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
             suite = build_suite(cfg, stage)
             engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=prompt_format)
             for split in ("train", "dev"):
-                engine.start(suite.tasks(split)[0].prompt)
+                try:
+                    env = suite.make_env(suite.tasks(split)[0])
+                    prompt = env.reset()
+                except Exception as err:
+                    raise ConfigValidationError(f"env: starting the first {split} task raised {type(err).__name__}: {err}") from err
+                if not isinstance(prompt, str):
+                    raise ConfigValidationError(f"env: reset() of the first {split} task returned a {type(prompt).__name__}; it must return the task text (str)")
+                engine.start(prompt)
+            if cfg.warm_start.enabled:
+                _check_warm_start_hooks(cfg, env)
     except ConfigError as err:
         raise ConfigValidationError(f"compaction: {err}") from None
+
+
+def _check_warm_start_hooks(cfg, env) -> None:
+    """The warm start plays oracle episodes: the environment must say what the optimal action and summary are."""
+    import random
+
+    from crl.config import ConfigValidationError
+
+    for hook, args in (("oracle_action", ()), ("oracle_summary", ()), ("format_only_summary", (random.Random(0),))):
+        try:
+            value = getattr(env, hook)(*args)
+        except (AttributeError, NotImplementedError):
+            value = None
+        if not isinstance(value, str):
+            raise ConfigValidationError(
+                f"warm_start.enabled: the warm start needs the environment's {hook}() returning a str ({type(env).__name__} "
+                f"{'has none' if value is None else 'returned ' + type(value).__name__}); implement it (crl/envs/base.py TextEnv) "
+                "or set warm_start.enabled=false"
+            )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import dataclasses
 import math
@@ -54,11 +54,25 @@ class PromptConfig:
     # plain: the project's word protocol (crl/prompts.py); chat: every turn rendered through the checkpoint
     # tokenizer's chat template (crl/chat.py), stopping on its end-of-turn token
     format: str = "plain"
+    # The texts of the fixed pieces (docs/design.md §1, Eqs. 8-9); null: the format's own (crl/prompts.py for plain,
+    # crl/chat.py for chat). Plain: each text is the whole piece as tokenized (tags included); chat: each is a turn's
+    # content (the template adds the turn markup). Templates hold the environment's text as {task} / {observation}.
+    system: Optional[str] = None  # s: the system prompt
+    summary_instruction: Optional[str] = None  # q_sum: the summary request (Eq. 8)
+    resume_prefix: Optional[str] = None  # u_resume before the copied summary (Eq. 9)
+    resume_suffix: Optional[str] = None  # u_resume after the copied summary
+    task_template: Optional[str] = None  # u from the environment's task text, e.g. "Task: {task}"
+    observation_template: Optional[str] = None  # o_i from the environment's observation, e.g. "Output: {observation}"
 
 
 @dataclass
 class EnvConfig:
-    name: str = "memory_chain"  # memory_chain | sequential_records
+    name: str = "memory_chain"  # memory_chain | sequential_records | custom (your own suite: env.factory)
+    # custom: "package.module:function" or "path/to/file.py:function" returning a task suite (crl.envs.base: tasks(split),
+    # make_env(task) -> reset() / step(action) -> StepResult), called with env.kwargs (plus length= and, when a stage
+    # sets it, compaction_steps= under a curriculum). The knobs below are the built-in suites'; custom ignores them.
+    factory: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
     length: int = 4  # memory chain: distractor steps
     n_facts: int = 4
     compaction_steps: Optional[list] = None  # memory chain forced schedule; None: the suite's default
@@ -225,7 +239,7 @@ CHOICES = {
     "prompt.format": ("plain", "chat"),
     "train.precision": ("auto", "fp32", "bf16"),
     "model.value_head_init": ("zero", "normal"),
-    "env.name": ("memory_chain", "sequential_records"),
+    "env.name": ("memory_chain", "sequential_records", "custom"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "warm_start.summary_content": ("random", "untrained", "format"),
@@ -317,6 +331,17 @@ def validate(cfg: Config) -> None:
     _need(e.extra_steps >= 0, "env.extra_steps", f"must be >= 0, got {e.extra_steps}")
     _need(0.0 <= e.distractor_rate <= 1.0, "env.distractor_rate", f"must be in [0, 1], got {e.distractor_rate}")
     _need(e.step_timeout_s is None or e.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0 seconds or null, got {e.step_timeout_s}")
+    _need(e.factory is None or e.name == "custom", "env.name", f"env.factory={e.factory!r} builds your own suite: set env.name=custom (got {e.name})")
+    _need(e.name != "custom" or bool(e.factory), "env.factory", "env.name=custom needs env.factory: 'package.module:function' or 'path/to/file.py:function' returning a task suite")
+    _need(e.factory is not None or not e.kwargs, "env.kwargs", "are the factory's keyword arguments: set env.factory (and env.name=custom), or remove them")
+    if e.factory is not None:
+        from crl.envs.factory import FactoryError, resolve_factory
+
+        try:
+            resolve_factory(e.factory)
+        except FactoryError as err:
+            raise ConfigValidationError(f"env.factory: {err}") from None
+    _check_prompt_texts(cfg.prompt)
     _need(bool(cfg.run_dir), "run_dir", "must name a directory")
     _need(0.0 <= cfg.learner.max_padding < 1.0, "learner.max_padding", f"must be in [0, 1), got {cfg.learner.max_padding}")
     _need(cfg.learner.max_chunk_tokens is None or cfg.learner.max_chunk_tokens >= 1, "learner.max_chunk_tokens", "must be >= 1 or null")
@@ -355,7 +380,7 @@ def validate(cfg: Config) -> None:
         if steps is None:
             continue
         key = f"train.curriculum[{i}].compaction_steps"
-        _need(e.name == "memory_chain", key, f"a forced compaction schedule exists for memory_chain only, not {e.name} (remove the key)")
+        _need(e.name in ("memory_chain", "custom"), key, f"a forced compaction schedule exists for memory_chain and custom suites, not {e.name} (remove the key)")
         _need(all(isinstance(s, int) and not isinstance(s, bool) for s in steps) and list(steps) == sorted(set(steps)) and all(s >= 1 for s in steps),
               key, f"must be strictly increasing positive integers, got {list(steps)}")
         _need(not steps or steps[-1] <= stage.length + 1, key, f"step {steps[-1] if steps else 0} is after the last observation before the question (length {stage.length} + 1)")
@@ -380,6 +405,28 @@ def validate(cfg: Config) -> None:
     if cfg.deepspeed.config is not None:
         _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")
     # Token budgets need token lengths (the run's tokenizer): crl.builders.check_budgets, when a Trainer is built.
+
+
+PROMPT_TEMPLATES = {"task_template": "task", "observation_template": "observation"}
+
+
+def _check_prompt_texts(p: PromptConfig) -> None:
+    """Prompt texts are non-blank strings; each template holds its one field (``{task}`` / ``{observation}``) once
+    and no other (a literal brace is written ``{{`` / ``}}``)."""
+    import string
+
+    for key in ("system", "summary_instruction", "resume_prefix", "resume_suffix", *PROMPT_TEMPLATES):
+        text = getattr(p, key)
+        _need(text is None or bool(text.strip()), f"prompt.{key}", "must be a non-blank text, or null for the format's own")
+    for key, name in PROMPT_TEMPLATES.items():
+        text = getattr(p, key)
+        if text is None:
+            continue
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+        except ValueError as err:
+            raise ConfigValidationError(f"prompt.{key}: {text!r} is not a format string ({err}); write a literal brace as {{{{ or }}}}") from None
+        _need(fields == [name], f"prompt.{key}", f"must contain {{{name}}} exactly once and no other field, got {text!r}")
 
 
 def to_yaml(cfg: Config) -> str:
