@@ -64,7 +64,7 @@ def test_example_env_plays_its_own_protocol():
     (["env.factory=null", "env.kwargs={}"], "env.factory: env.name=custom needs env.factory"),
     (["env.name=memory_chain", "env.factory=null"], "env.kwargs: are the factory's keyword arguments"),
     (["env.factory=examples/key_value_env.py"], "is not 'package.module:function'"),
-    (["env.factory=examples/nope.py:make_suite"], "file examples/nope.py does not exist"),
+    (["env.factory=missing_env.py:make_suite"], "file missing_env.py does not exist"),
     (["env.factory=examples/key_value_env.py:make"], "has no attribute 'make'"),
     (["env.factory=examples/key_value_env.py:COLOURS"], "is a tuple, not a callable"),
     (["env.factory=no_such_package.envs:make"], "cannot import 'no_such_package.envs'"),
