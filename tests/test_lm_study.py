@@ -81,6 +81,19 @@ def study_cfg(early_submit: str):
     return load_config(STUDY / "joint.yaml", [f"env.early_submit={early_submit}"])
 
 
+def flat_config(path) -> dict:
+    """The config at ``path`` as one flat mapping of dotted keys (``algo.alpha``) to values."""
+    from crl.config import to_dict
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return flat(to_dict(load_config(path)))
+
+
 def test_study_task_has_no_shortcut():
     """With ``early_submit: fail`` (the study's setting) a summary-blind policy scores at most chance + 5 points on
     the 60 dev tasks, whatever its fixed guess and whether or not it tries to answer early; with ``accept`` the
@@ -159,15 +172,7 @@ def test_early_submit_config_key():
 def test_study_arm_configs():
     """Every arm loads, layers on base.yaml (3 forced compactions, early_submit fail, 60 dev episodes) and differs
     from joint only in what the arm is about."""
-    from crl.config import to_dict
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    joint = flat(to_dict(load_config(STUDY / "joint.yaml")))
+    joint = flat_config(STUDY / "joint.yaml")
     assert joint["env.early_submit"] == "fail" and joint["env.compaction_steps"] == [6, 12, 18]
     assert joint["eval.episodes"] >= 60 and joint["algo.lambda_length"] == "rollout"
     expected = {
@@ -178,7 +183,7 @@ def test_study_arm_configs():
         "ppo_epochs": {"train.policy_epochs": 2, "train.policy_minibatches": 2},  # base: 1 epoch x 4 minibatches
     }
     for arm, diff in expected.items():
-        cfg = flat(to_dict(load_config(STUDY / f"{arm}.yaml")))
+        cfg = flat_config(STUDY / f"{arm}.yaml")
         got = {k: v for k, v in cfg.items() if joint[k] != v and k != "run_dir"}
         assert got == diff, arm
 
@@ -264,15 +269,7 @@ def test_study96_is_the_seeds_task_without_a_shortcut():
 
 
 def test_study96_arms_differ_only_in_what_they_test_and_share_the_budget():
-    from crl.config import to_dict
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    joint = flat(to_dict(load_config(STUDY96 / "joint.yaml")))
+    joint = flat_config(STUDY96 / "joint.yaml")
     expected = {
         "frozen": {"algo.frozen_summary": True},
         "no_cross_trajectory": {"algo.cross_trajectory": False},
@@ -280,7 +277,7 @@ def test_study96_arms_differ_only_in_what_they_test_and_share_the_budget():
         "group": {"algo.estimator": "group", "train.group_size": 4, "train.critic_warmup_iterations": 0},
     }
     for arm, diff in expected.items():
-        cfg = flat(to_dict(load_config(STUDY96 / f"{arm}.yaml")))
+        cfg = flat_config(STUDY96 / f"{arm}.yaml")
         assert {k: v for k, v in cfg.items() if joint[k] != v and k != "run_dir"} == diff, arm
         assert cfg["train.iterations"] * cfg["train.episodes_per_batch"] == joint["train.iterations"] * joint["train.episodes_per_batch"]
 
