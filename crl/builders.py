@@ -162,7 +162,9 @@ def _check_known_words(cfg, codec: TextCodec) -> None:
     if tok is None or getattr(tok, "unk_token", None) != UNK:  # a checkpoint's own (subword) tokenizer covers any text
         return
     unk = tok.convert_tokens_to_ids(UNK)
-    for key in ("system", "summary_instruction", "resume_prefix", "resume_suffix", "task_template", "observation_template"):
+    from crl.config import PROMPT_TEMPLATES, PROMPT_TEXTS
+
+    for key in (*PROMPT_TEXTS, *PROMPT_TEMPLATES):
         text = getattr(cfg.prompt, key)
         if text is None:
             continue
@@ -198,12 +200,12 @@ def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
                     raise ConfigValidationError(f"env: reset() of the first {split} task returned a {type(prompt).__name__}; it must return the task text (str)")
                 engine.start(prompt)
             if cfg.warm_start.enabled:
-                _check_warm_start_hooks(cfg, env)
+                _check_warm_start_hooks(env)
     except ConfigError as err:
         raise ConfigValidationError(f"compaction: {err}") from None
 
 
-def _check_warm_start_hooks(cfg, env) -> None:
+def _check_warm_start_hooks(env) -> None:
     """The warm start plays oracle episodes: the environment must say what the optimal action and summary are."""
     import random
 

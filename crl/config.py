@@ -407,7 +407,8 @@ def validate(cfg: Config) -> None:
     # Token budgets need token lengths (the run's tokenizer): crl.builders.check_budgets, when a Trainer is built.
 
 
-PROMPT_TEMPLATES = {"task_template": "task", "observation_template": "observation"}
+PROMPT_TEXTS = ("system", "summary_instruction", "resume_prefix", "resume_suffix")  # prompt.* texts of the fixed pieces
+PROMPT_TEMPLATES = {"task_template": "task", "observation_template": "observation"}  # prompt.* templates and their field
 
 
 def _check_prompt_texts(p: PromptConfig) -> None:
@@ -415,7 +416,7 @@ def _check_prompt_texts(p: PromptConfig) -> None:
     and no other (a literal brace is written ``{{`` / ``}}``)."""
     import string
 
-    for key in ("system", "summary_instruction", "resume_prefix", "resume_suffix", *PROMPT_TEMPLATES):
+    for key in (*PROMPT_TEXTS, *PROMPT_TEMPLATES):
         text = getattr(p, key)
         _need(text is None or bool(text.strip()), f"prompt.{key}", "must be a non-blank text, or null for the format's own")
     for key, name in PROMPT_TEMPLATES.items():
