@@ -207,7 +207,7 @@ def test_warm_start_stopping_rule_and_format_content_through_the_trainer(tmp_pat
 def test_curriculum_compaction_steps_are_checked_at_load(stage, match):
     with pytest.raises(ConfigValidationError, match=r"train\.curriculum\[0\]\.compaction_steps.*" + match):
         load_config(ROOT / "configs" / "default.yaml", [f"train.curriculum=[{stage}]"])
-    with pytest.raises(ConfigValidationError, match="memory_chain only"):
+    with pytest.raises(ConfigValidationError, match="for memory_chain and custom suites, not sequential_records"):
         load_config(ROOT / "configs" / "default.yaml", ["env.name=sequential_records", "train.curriculum=[{length: 4, compaction_steps: [2]}]"])
 
 
