@@ -8,7 +8,10 @@ success, how many summaries (the policy's own, ``loss_mask`` on a SUMMARY segmen
 episode's fact (read from its own ``fact : the code is c`` observation), how many episodes' *last* summary does,
 and how many episodes contain an action that is neither ``next`` nor ``submit d`` (an invalid command: it still
 counts as an atomic step, so a policy can use such steps to delay the fact past a forced compaction). Frozen
-summaries (the frozen arm) are not the policy's and are not counted. Prints one JSON line per run.
+summaries (the frozen arm) are not the policy's and are not counted. ``failures``: how the failed episodes ended —
+``early_submit`` (a submit before the question was shown), ``wrong_answer`` (after it; ``..._fact_in_last_summary``:
+although the last summary held the fact, i.e. a read-out error), ``no_submit`` (truncated). Prints one JSON line per
+run.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ def summary_content(run_dir: Path, iteration: int | None = None) -> dict:
         raise SystemExit(f"summary_content: {run_dir}/evidence has no iteration")
     it = its[-1] if iteration is None else iteration
     counts = dict(episodes=0, successes=0, summaries=0, summaries_with_fact=0, last_summary_with_fact=0, episodes_with_invalid_action=0)
+    failures = dict(early_submit=0, wrong_answer=0, wrong_answer_fact_in_last_summary=0, no_submit=0)
     # the rows of one rollout may sit on different ranks (scripts/audit.py): group over all of them, in segment order
     td = concat_episodes([load_episodes(rank / "rollout.pt") for rank in sorted((run_dir / "evidence" / f"iter_{it:06d}").glob("rank_*"))])
     for rid in td["rollout_id"].unique().tolist():
@@ -68,7 +72,16 @@ def summary_content(run_dir: Path, iteration: int | None = None) -> dict:
         counts["summaries_with_fact"] += sum(holds)
         counts["last_summary_with_fact"] += bool(holds) and holds[-1]
         counts["episodes_with_invalid_action"] += any(not ACTION.fullmatch(a.strip()) for a in actions)
-    return {"run_dir": str(run_dir), "iteration": it, **counts}
+        if float(rows["reward"][0]) <= 0:  # how a failed episode ended: its last action, and whether the question was shown
+            last = actions[-1].strip() if actions else ""
+            if not last.startswith("submit"):
+                failures["no_submit"] += 1
+            elif "question :" not in " ".join(texts):
+                failures["early_submit"] += 1
+            else:
+                failures["wrong_answer"] += 1
+                failures["wrong_answer_fact_in_last_summary"] += bool(holds) and holds[-1]
+    return {"run_dir": str(run_dir), "iteration": it, **counts, "failures": failures}
 
 
 def main(argv=None) -> None:

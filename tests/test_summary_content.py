@@ -1,0 +1,65 @@
+"""scripts/summary_content.py on evidence whose answers are known: scripted memory-chain episodes played through the
+compaction engine (what each summary holds and how each failed episode ended are chosen here, then read back)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from crl.builders import build_compaction_config, build_suite
+from crl.compaction import CompactionEngine, Decision
+from crl.config import load_config
+from crl.episode import build_episode, concat_episodes, save_episodes, terminal_outcome
+from crl.modules.tokenizer import encode, load_tokenizer
+from crl.prompts import EOS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def play(suite, engine, task, eos, *, summary, actions):
+    """One episode: ``actions(env)`` picks each command, ``summary(code)`` each summary's text."""
+    env = suite.make_env(task)
+    ctx = engine.start(env.reset())
+    while True:
+        command = actions(env)
+        ids = encode(command) + [eos]
+        result = env.step(command)
+        decision = ctx.append_step(ids, [0.0] * len(ids), result.observation)
+        if result.done or decision is Decision.TRUNCATE:
+            status, reward = terminal_outcome(result.done, bool(result.info.get("truncated", False)), result.reward)
+            return ctx, status, reward
+        if decision is Decision.COMPACT:
+            s = encode(summary(task.answer))[: ctx.summary_budget - 1] + [eos]
+            ctx.apply_summary(s, [0.0] * len(s))
+
+
+def test_counts_summaries_holding_the_fact_and_how_failures_ended(tmp_path):
+    # memory chain, 3 noise items, compaction forced after step 3; a submit before the question scores 0
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["env.early_submit=fail"])
+    suite = build_suite(cfg)
+    eos = load_tokenizer().convert_tokens_to_ids(EOS)
+    engine = CompactionEngine(build_compaction_config(cfg, suite), encode, eos_id=eos)
+    tasks = suite.tasks("train")
+    wrong = lambda code: str((int(code) + 1) % cfg.env.n_facts)  # noqa: E731
+    oracle = lambda env: env.oracle_action()  # noqa: E731
+    cases = [  # (summary text, action policy): expected outcome
+        (lambda c: f"code {c}", oracle),                                                     # success
+        (lambda c: f"code {c}", lambda env: f"submit {wrong(env.task.answer)}" if env.question_shown else "next"),  # read-out error
+        (lambda c: f"code {wrong(c)}", lambda env: f"submit {wrong(env.task.answer)}" if env.question_shown else "next"),  # lost fact
+        (lambda c: f"code {c}", lambda env: f"submit {env.task.answer}" if env.steps >= 1 else "next"),  # early submit
+        (lambda c: f"code {c}", lambda env: "next"),                                          # never submits: truncated
+    ]
+    rows = []
+    for rid, ((summary, actions), task) in enumerate(zip(cases, tasks)):
+        ctx, status, reward = play(suite, engine, task, eos, summary=summary, actions=actions)
+        rows.append(build_episode(ctx.segments(), rid, reward, status))
+    evidence = tmp_path / "run" / "evidence" / "iter_000004" / "rank_0"
+    evidence.mkdir(parents=True)
+    save_episodes(concat_episodes(rows), evidence / "rollout.pt")
+    out = subprocess.run([sys.executable, "scripts/summary_content.py", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["iteration"] == 4 and got["episodes"] == 5 and got["successes"] == 1, got
+    # one compaction per episode that reaches step 3 (the early submit ends at step 2, before it)
+    assert got["summaries"] == 4 and got["summaries_with_fact"] == 3 and got["last_summary_with_fact"] == 3
+    assert got["failures"] == {"early_submit": 1, "wrong_answer": 2, "wrong_answer_fact_in_last_summary": 1, "no_submit": 1}
+    assert got["episodes_with_invalid_action"] == 0
