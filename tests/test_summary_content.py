@@ -42,7 +42,7 @@ def test_counts_summaries_holding_the_fact_and_how_failures_ended(tmp_path):
     wrong = lambda code: str((int(code) + 1) % cfg.env.n_facts)  # noqa: E731
     oracle = lambda env: env.oracle_action()  # noqa: E731
     cases = [  # (summary text, action policy): expected outcome
-        (lambda c: f"code {c}", oracle),                                                     # success
+        (lambda c: f"submit {c}", oracle),                          # success; the fact in the policy's own wording
         (lambda c: f"code {c}", lambda env: f"submit {wrong(env.task.answer)}" if env.question_shown else "next"),  # read-out error
         (lambda c: f"code {wrong(c)}", lambda env: f"submit {wrong(env.task.answer)}" if env.question_shown else "next"),  # lost fact
         (lambda c: f"code {c}", lambda env: f"submit {env.task.answer}" if env.steps >= 1 else "next"),  # early submit
