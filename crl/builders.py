@@ -17,6 +17,8 @@ def build_suite(cfg, stage=None):
     """The task suite of ``cfg.env``, or of a curriculum ``stage`` (:class:`crl.config.CurriculumStage`: its
     length and, for the memory chain, its forced compaction schedule)."""
     e = cfg.env
+    if e.name == "torchrl_chat":
+        return build_chat_suite(cfg)
     if e.name == "custom":
         from crl.config import ConfigValidationError
         from crl.envs.factory import FactoryError, build_custom_suite
@@ -48,6 +50,8 @@ def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_
     from crl.collectors import CompactionCollector
     from crl.modules.generation import SamplingParams
 
+    if cfg.env.name == "torchrl_chat":
+        return build_chat_collector(cfg, split, backend, codec, evaluation=evaluation, rank=rank, world=world, progress=progress)
     suite = build_suite(cfg, stage)
     temperature = cfg.eval.temperature if evaluation else cfg.model.temperature
     return CompactionCollector(
@@ -64,7 +68,8 @@ def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_
 def build_compaction_config(cfg, suite) -> CompactionConfig:
     c = cfg.compaction
     if not c.enabled:  # the no-compaction ablation: plain long context, truncated when full
-        return CompactionConfig(context_capacity=c.context_capacity, min_remaining=c.min_remaining, max_compactions=0, keep_recent=c.keep_recent, max_summary_tokens=c.max_summary_tokens)
+        return CompactionConfig(context_capacity=c.context_capacity, min_remaining=c.min_remaining, max_compactions=0, keep_recent=c.keep_recent,
+                                max_summary_tokens=c.max_summary_tokens, max_steps=c.max_steps)
     forced = tuple(getattr(suite, "compaction_steps", ())) if c.forced else ()
     return CompactionConfig(
         context_capacity=c.context_capacity,
@@ -74,6 +79,7 @@ def build_compaction_config(cfg, suite) -> CompactionConfig:
         max_summary_tokens=c.max_summary_tokens,
         keep_task_prompt=c.keep_task_prompt,
         forced_steps=forced,
+        max_steps=c.max_steps,
     )
 
 
@@ -96,10 +102,11 @@ class TextCodec:
 def build_tokenizer(cfg) -> TextCodec:
     """The project's shipped tokenizer for presets; a local checkpoint's own tokenizer when it has one."""
     path = Path(cfg.model.preset)
-    if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    chat_preset = cfg.env.name == "torchrl_chat" and not path.is_dir()  # free text (code): the byte-level chat tokenizer
+    if chat_preset or (path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = chat_tokenizer(cfg) if chat_preset else AutoTokenizer.from_pretrained(path, local_files_only=True)
         if tok.eos_token_id is None:
             raise ValueError(f"the tokenizer in {path} has no EOS token; actions and summaries need one to stop")
         return TextCodec(
@@ -139,6 +146,8 @@ def build_prompt_format(cfg, codec: TextCodec):
         return PlainFormat(codec.encode, **texts)
     texts.update({key: getattr(p, key) for key in ("task_template", "observation_template") if getattr(p, key) is not None})
     path = Path(cfg.model.preset)
+    if cfg.env.name == "torchrl_chat":  # the ChatEnv suite renders its own turns; this format names the stop token
+        return ChatFormat(codec.tokenizer, **texts)
     if not (path.is_dir() and (path / "tokenizer_config.json").exists()):
         raise ConfigValidationError(f"prompt.format: chat needs a local checkpoint with a chat template; model.preset={cfg.model.preset!r} is a preset with the project's word tokenizer (use plain)")
     try:
@@ -174,6 +183,116 @@ def _check_known_words(cfg, codec: TextCodec) -> None:
                                         "all read as <|unk|>; use its words, or a checkpoint with its own tokenizer (model.preset)")
 
 
+def chat_tokenizer(cfg):
+    """The ``transformers`` tokenizer of an ``env.name: torchrl_chat`` run: the checkpoint's own, or for a preset the
+    byte-level ChatML tokenizer (:mod:`crl.modules.byte_tokenizer`; any text round-trips, code included)."""
+    path = Path(cfg.model.preset)
+    if path.is_dir():
+        from crl.chat import load_chat_tokenizer
+
+        return load_chat_tokenizer(path)
+    from crl.modules.byte_tokenizer import byte_chat_tokenizer
+
+    return byte_chat_tokenizer()
+
+
+_CHAT_SUITES: dict = {}
+
+
+def build_chat_suite(cfg, tokenizer=None):
+    """The user's TorchRL chat suite: ``env.factory(tokenizer=, seed=env.seed, tools=cfg.tools, **env.kwargs)``, built once
+    per (factory, kwargs) in a process (a suite may hold expensive state: task lists, sandboxes)."""
+    from crl.config import ConfigValidationError
+    from crl.envs.factory import FactoryError, resolve_factory
+
+    e = cfg.env
+    key = (e.factory, repr(sorted(e.kwargs.items())), e.seed, repr(cfg.tools), id(tokenizer) if tokenizer is not None else None)
+    if key in _CHAT_SUITES:
+        return _CHAT_SUITES[key]
+    check_tool_sandbox(cfg)
+    try:
+        fn = resolve_factory(e.factory)
+    except FactoryError as err:
+        raise ConfigValidationError(f"env.factory: {err}") from None
+    tok = tokenizer if tokenizer is not None else chat_tokenizer(cfg)
+    try:
+        suite = fn(tokenizer=tok, seed=e.seed, tools=cfg.tools, **e.kwargs)
+    except Exception as err:
+        raise ConfigValidationError(f"env.factory: {e.factory}(tokenizer=..., seed={e.seed}, tools=..., **{e.kwargs}) raised {type(err).__name__}: {err}") from err
+    from crl.torchrl_llm.collector import check_chat_suite
+
+    try:
+        check_chat_suite(suite)
+    except TypeError as err:
+        raise ConfigValidationError(f"env.factory: {err}") from None
+    _CHAT_SUITES[key] = suite
+    return suite
+
+
+def check_tool_sandbox(cfg) -> None:
+    """``tools.sandbox: bwrap`` must work on this machine (else a load-time error with the fix); ``none`` warns on every start."""
+    import warnings
+
+    from crl.config import ConfigValidationError
+
+    if cfg.tools.sandbox == "none":
+        warnings.warn("tools.sandbox=none: model-written code runs UNSANDBOXED on this machine (files, network, processes); "
+                      "use tools.sandbox=bwrap (apt-get install bubblewrap)", stacklevel=2)
+        return
+    from crl.sandbox import SandboxUnavailable, check_sandbox
+
+    try:
+        check_sandbox(cfg.tools.sandbox)
+    except SandboxUnavailable as err:
+        raise ConfigValidationError(f"tools.sandbox: {err}") from None
+
+
+def build_chat_collector(cfg, split: str, backend, codec: "TextCodec", *, evaluation: bool = False, rank: int = 0, world: int = 1,
+                         progress: bool = False):
+    """The :class:`crl.torchrl_llm.collector.ChatCollector` of ``split`` (``env.name: torchrl_chat``): the same episode
+    counts, temperatures, seeds and task order as :func:`build_collector`."""
+    import math
+
+    from crl.torchrl_llm.collector import ChatCollector
+
+    p = cfg.prompt
+    texts = {name: getattr(p, name) for name in ("summary_instruction", "resume_prefix", "resume_suffix") if getattr(p, name) is not None}
+    return ChatCollector(
+        build_chat_suite(cfg, codec.tokenizer), split, backend, codec.tokenizer, build_compaction_config(cfg, None),
+        episodes_per_batch=math.ceil(cfg.eval.episodes / world) if evaluation else cfg.train.episodes_per_batch,
+        temperature=cfg.eval.temperature if evaluation else cfg.model.temperature, top_p=cfg.model.top_p,
+        max_new_tokens=cfg.model.max_action_tokens, task_seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, rank=rank,
+        world_size=world, tasks_in_order=evaluation, group_size=1 if evaluation else cfg.train.group_size, texts=texts, progress=progress,
+    )
+
+
+def check_chat_budgets(cfg, codec: "TextCodec") -> None:
+    """torchrl_chat: the CompactionTransform's own checks (texts vs budget) and the first train and dev episode's reset."""
+    from crl.compaction import ConfigError
+    from crl.config import ConfigValidationError
+    from crl.torchrl_llm.collector import ChatCollector
+
+    suite = build_chat_suite(cfg, codec.tokenizer)
+    p = cfg.prompt
+    texts = {name: getattr(p, name) for name in ("summary_instruction", "resume_prefix", "resume_suffix") if getattr(p, name) is not None}
+    for split in ("train", "dev"):
+        try:
+            tasks = list(suite.tasks(split))
+            if not tasks:
+                raise ValueError(f"split {split!r} has no tasks")
+            compaction = ChatCollector.make_compaction(codec.tokenizer, build_compaction_config(cfg, None), cfg.model.max_action_tokens, texts, 0)
+            env = suite.make_env(tasks[0], compaction)
+            from tensordict import TensorDict, set_list_to_stack
+
+            with set_list_to_stack(True):
+                env.reset(TensorDict(query=[suite.query(tasks[0])], batch_size=(1,)))
+            env.close(raise_if_closed=False)
+        except ConfigError as err:
+            raise ConfigValidationError(f"compaction: {err}") from None
+        except Exception as err:
+            raise ConfigValidationError(f"env: starting the first {split} task of {cfg.env.factory} raised {type(err).__name__}: {err}") from err
+
+
 def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
     """Build every stage's compaction engine and start one episode of each split with the run's tokenizer.
 
@@ -184,6 +303,8 @@ def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
     from crl.compaction import ConfigError
     from crl.config import ConfigValidationError
 
+    if cfg.env.name == "torchrl_chat":
+        return check_chat_budgets(cfg, codec)
     if prompt_format is None:
         prompt_format = build_prompt_format(cfg, codec)
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import dataclasses
+import json
 import math
 
 import yaml
@@ -67,7 +68,9 @@ class PromptConfig:
 
 @dataclass
 class EnvConfig:
-    name: str = "memory_chain"  # memory_chain | sequential_records | custom (your own suite: env.factory)
+    name: str = "memory_chain"  # memory_chain | sequential_records | custom (your own suite: env.factory) | torchrl_chat
+    # torchrl_chat: env.factory returns a suite of TorchRL ChatEnv episodes (tasks(split), query(task), make_env(task,
+    # compaction)), called with tokenizer=, seed=, tools= (the tools section) and env.kwargs: crl/torchrl_llm/collector.py
     # custom: "package.module:function" or "path/to/file.py:function" returning a task suite (crl.envs.base: tasks(split),
     # make_env(task) -> reset() / step(action) -> StepResult), called with env.kwargs (plus length= and, when a stage
     # sets it, compaction_steps= under a curriculum). The knobs below are the built-in suites'; custom ignores them.
@@ -94,6 +97,7 @@ class CompactionSettings:
     keep_recent: int = 2  # k
     max_summary_tokens: int = 8
     keep_task_prompt: bool = False
+    max_steps: Optional[int] = None  # action steps per episode (summaries not counted); reaching it truncates. null: no limit
     forced: bool = True  # use the environment's forced schedule (memory chain) on top of the Eq. 7 trigger
 
 
@@ -217,6 +221,16 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """How tools run model-written code (crl/sandbox.py); passed to a torchrl_chat factory as ``tools=``."""
+
+    sandbox: str = "bwrap"  # bwrap: bubblewrap + rlimits (apt-get install bubblewrap) | none: unisolated (a warning on every start)
+    timeout_s: float = 5.0  # wall clock of one tool call
+    memory_mb: int = 512  # address-space limit of the tool's process
+    max_output_bytes: int = 4096  # tool output kept (the rest is dropped and marked)
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/default"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -232,6 +246,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
 
 CHOICES = {
@@ -239,7 +254,8 @@ CHOICES = {
     "prompt.format": ("plain", "chat"),
     "train.precision": ("auto", "fp32", "bf16"),
     "model.value_head_init": ("zero", "normal"),
-    "env.name": ("memory_chain", "sequential_records", "custom"),
+    "env.name": ("memory_chain", "sequential_records", "custom", "torchrl_chat"),
+    "tools.sandbox": ("bwrap", "none"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "warm_start.summary_content": ("random", "untrained", "format"),
@@ -312,6 +328,25 @@ def _non_finite(obj, prefix: str = ""):
             yield key, value
 
 
+def _check_torchrl_chat(cfg: Config) -> None:
+    """What env.name=torchrl_chat (TorchRL's ChatEnv through crl.torchrl_llm) supports; the rest is refused here."""
+    what = "env.name=torchrl_chat"
+    _need(cfg.model.backend == "transformers", "model.backend", f"{what} samples through TorchRL's TransformersWrapper: use transformers (vLLM is not wired to ChatEnv yet)")
+    _need(cfg.prompt.format == "chat", "prompt.format", f"{what} renders turns through the tokenizer's chat template: set prompt.format=chat")
+    _need(not cfg.warm_start.enabled, "warm_start.enabled", f"{what} has no oracle episodes to warm-start from: set warm_start.enabled=false")
+    _need(not cfg.algo.frozen_summary, "algo.frozen_summary", f"{what} does not support the frozen-summary ablation yet")
+    _need(not cfg.train.curriculum, "train.curriculum", f"{what} has no curriculum: remove train.curriculum")
+    _need(cfg.compaction.enabled, "compaction.enabled", f"{what} compacts through CompactionTransform: set compaction.enabled=true (max_compactions=0 disables it)")
+    _need(cfg.compaction.min_remaining >= cfg.model.max_action_tokens, "compaction.min_remaining",
+          f"{what}: T_comp={cfg.compaction.min_remaining} must be >= model.max_action_tokens={cfg.model.max_action_tokens} (one generation limit for every call)")
+    _need(not cfg.compaction.keep_task_prompt, "compaction.keep_task_prompt", f"{what}: the resume context is system + summary + tail (Eq. 9)")
+    for key in ("task_template", "observation_template", "system"):
+        _need(getattr(cfg.prompt, key) is None, f"prompt.{key}", f"{what}: the ChatEnv suite writes the system prompt, task and observations; remove prompt.{key}")
+    if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
+        stage = json.loads(Path(cfg.deepspeed.config).read_text()).get("zero_optimization", {}).get("stage", 0)
+        _need(stage != 3, "deepspeed.config", f"{what} samples with the full module: ZeRO-3 is not supported (use ZeRO-2 or none)")
+
+
 def validate(cfg: Config) -> None:
     """Refuse impossible or contradictory settings, naming the key."""
     for key, value in _non_finite(cfg):
@@ -324,6 +359,7 @@ def validate(cfg: Config) -> None:
     _need(c.context_capacity >= 1, "compaction.context_capacity", f"must be >= 1, got {c.context_capacity}")
     for key in ("min_remaining", "max_compactions", "keep_recent"):
         _need(getattr(c, key) >= 0, f"compaction.{key}", f"must be >= 0, got {getattr(c, key)}")
+    _need(c.max_steps is None or c.max_steps >= 1, "compaction.max_steps", f"must be >= 1 or null, got {c.max_steps}")
     _need(c.max_summary_tokens >= 1, "compaction.max_summary_tokens", f"must be >= 1, got {c.max_summary_tokens}")
     e = cfg.env
     for key in ("length", "n_facts", "n_records", "n_keys"):
@@ -331,7 +367,8 @@ def validate(cfg: Config) -> None:
     _need(e.extra_steps >= 0, "env.extra_steps", f"must be >= 0, got {e.extra_steps}")
     _need(0.0 <= e.distractor_rate <= 1.0, "env.distractor_rate", f"must be in [0, 1], got {e.distractor_rate}")
     _need(e.step_timeout_s is None or e.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0 seconds or null, got {e.step_timeout_s}")
-    _need(e.factory is None or e.name == "custom", "env.name", f"env.factory={e.factory!r} builds your own suite: set env.name=custom (got {e.name})")
+    _need(e.factory is None or e.name in ("custom", "torchrl_chat"), "env.name", f"env.factory={e.factory!r} builds your own suite: set env.name=custom (got {e.name})")
+    _need(e.name != "torchrl_chat" or bool(e.factory), "env.factory", "env.name=torchrl_chat needs env.factory: 'package.module:function' returning a ChatEnv suite (crl/torchrl_llm/collector.py)")
     _need(e.name != "custom" or bool(e.factory), "env.factory", "env.name=custom needs env.factory: 'package.module:function' or 'path/to/file.py:function' returning a task suite")
     _need(e.factory is not None or not e.kwargs, "env.kwargs", "are the factory's keyword arguments: set env.factory (and env.name=custom), or remove them")
     if e.factory is not None:
@@ -342,6 +379,10 @@ def validate(cfg: Config) -> None:
         except FactoryError as err:
             raise ConfigValidationError(f"env.factory: {err}") from None
     _check_prompt_texts(cfg.prompt)
+    if e.name == "torchrl_chat":
+        _check_torchrl_chat(cfg)
+    _need(cfg.tools.timeout_s > 0 and cfg.tools.memory_mb >= 16 and cfg.tools.max_output_bytes >= 64, "tools.timeout_s/memory_mb/max_output_bytes",
+          "timeout_s > 0, memory_mb >= 16, max_output_bytes >= 64")
     _need(bool(cfg.run_dir), "run_dir", "must name a directory")
     _need(0.0 <= cfg.learner.max_padding < 1.0, "learner.max_padding", f"must be in [0, 1), got {cfg.learner.max_padding}")
     _need(cfg.learner.max_chunk_tokens is None or cfg.learner.max_chunk_tokens >= 1, "learner.max_chunk_tokens", "must be >= 1 or null")
@@ -354,7 +395,7 @@ def validate(cfg: Config) -> None:
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
     preset = cfg.model.preset
     _need(preset in PRESETS or (bool(preset) and Path(preset).is_dir()), "model.preset", f"{preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
-    _need(not (cfg.prompt.format == "chat" and preset in PRESETS), "prompt.format", "'chat' needs a checkpoint directory whose tokenizer has a chat template (presets use the word tokenizer)")
+    _need(not (cfg.prompt.format == "chat" and preset in PRESETS and cfg.env.name != "torchrl_chat"), "prompt.format", "'chat' needs a checkpoint directory whose tokenizer has a chat template (presets use the word tokenizer)")
     if preset not in PRESETS:
         _need((Path(preset) / "config.json").is_file(), "model.preset", f"directory {preset} has no config.json: not a transformers checkpoint (import one with scripts/import_checkpoint.py, or use a preset)")
     _need(not (cfg.model.backend == "vllm" and cfg.model.preset in PRESETS), "model.backend", "vllm serves a checkpoint directory; presets use the transformers backend")

@@ -1,0 +1,198 @@
+"""``ChatCollector``: crl's Trainer on a TorchRL chat environment (``env.name: torchrl_chat``).
+
+The same surface as :class:`crl.collectors.CompactionCollector` — ``collect()`` returns validated episode rows,
+``last_episodes`` / ``last_stats`` feed the metrics, ``state_dict()`` the checkpoint — but an episode is TorchRL's:
+a ``ChatEnv`` (one conversation) built by the user's suite with crl's :class:`~crl.torchrl_llm.CompactionTransform`
+in it, played by ``env.rollout`` with a ``TransformersWrapper`` over the trainer's own policy module (the weights
+the learner updates, so no weight sync), and turned into crl rows by :func:`~crl.torchrl_llm.to_episodes`, which
+re-scores the behaviour log-probs with the trainer's actor at the sampling temperature.
+
+The suite (what ``env.factory`` returns, called with ``tokenizer=``, ``seed=`` and ``env.kwargs``)::
+
+    suite.tasks(split) -> sequence of tasks            # split in train / dev / test
+    suite.query(task) -> str                           # the user turn ChatEnv is reset with
+    suite.make_env(task, compaction) -> EnvBase        # a TransformedEnv over ChatEnv(batch_size=(1,)) holding
+                                                       # compaction(*on_action): call it with your tools / verifier
+
+Sampling is reproducible: each episode samples under ``torch`` seeded from the collector's stream and the episode
+number, inside ``torch.random.fork_rng`` (the trainer's global RNG is untouched). An environment that raises ends
+its episode as FAILED (counted, logged, no rows); the batch goes on.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import time
+import warnings
+
+import torch
+from tensordict import TensorDict, set_list_to_stack
+from tqdm.auto import tqdm
+
+from crl.collectors.compaction_collector import EpisodeSummary
+from crl.compaction import CompactionConfig
+from crl.episode import EpisodeStatus, concat_episodes, validate_episodes
+from crl.modules.generation import stream_seed
+from crl.modules.models import actor_module
+from crl.torchrl_llm.convert import to_episodes
+from crl.torchrl_llm.transform import CompactionTransform
+
+__all__ = ["ChatCollector", "check_chat_suite"]
+
+SUITE_METHODS = ("tasks", "query", "make_env")
+
+
+def check_chat_suite(suite, source: str = "env.factory") -> None:
+    missing = [m for m in SUITE_METHODS if not callable(getattr(suite, m, None))]
+    if missing:
+        raise TypeError(
+            f"{source} returned {type(suite).__name__}, which lacks {', '.join(missing)}(): a torchrl_chat suite has tasks(split), "
+            "query(task) -> str and make_env(task, compaction) -> a TransformedEnv over ChatEnv (crl/torchrl_llm/collector.py)"
+        )
+
+
+class ChatCollector:
+    """Collect batches of compacted TorchRL chat episodes (see the module docstring).
+
+    Args:
+        suite: the user's suite. split: its split to play.
+        backend: the trainer's :class:`crl.modules.generation.TransformersBackend` — its model (the policy module),
+            its seed (the sampler stream) and its ``policy_version``. tokenizer: its ``transformers`` tokenizer (chat template).
+        compaction: Eq. 7–9 numbers. texts: ``summary_instruction`` / ``resume_prefix`` / ``resume_suffix`` overrides.
+        episodes_per_batch, temperature, top_p, max_new_tokens: as crl's collector (one generation limit for actions
+            and summaries: TorchRL's wrapper takes one). task_seed: the task draw. rank / world_size / group_size / tasks_in_order: as crl's.
+    """
+
+    def __init__(self, suite, split: str, backend, tokenizer, compaction: CompactionConfig, *, episodes_per_batch: int, temperature: float = 1.0,
+                 top_p: float = 1.0, max_new_tokens: int = 16, task_seed: int = 0, rank: int = 0, world_size: int = 1,
+                 tasks_in_order: bool = False, group_size: int = 1, texts: dict | None = None, progress: bool = False):
+        from torchrl.modules.llm import TransformersWrapper
+
+        check_chat_suite(suite)
+        if group_size < 1 or episodes_per_batch % group_size:
+            raise ValueError(f"group_size={group_size} must be >= 1 and divide episodes_per_batch={episodes_per_batch}")
+        self.suite, self.split, self.tasks = suite, split, list(suite.tasks(split))
+        if not self.tasks:
+            raise ValueError(f"split {split!r} of {type(suite).__name__} has no tasks")
+        self.backend, self.lm, self.tokenizer, self.config = backend, backend.model, tokenizer, compaction
+        lm = self.lm
+        seed = backend.generator.initial_seed()
+        self.texts = dict(texts or {})
+        self.episodes_per_batch, self.max_new_tokens = episodes_per_batch, max_new_tokens
+        self.seed, self.task_seed, self.rank, self.world_size = seed, task_seed, rank, world_size
+        self.tasks_in_order, self.group_size, self.progress = tasks_in_order, group_size, progress
+        # top_k = the vocabulary: no top-k truncation (transformers' default is 50), so the learner's distribution is the
+        # sampler's; the pad token is never sampled (TorchRL's wrapper reads pad as padding), which moves each sampled
+        # token's probability by a factor 1 / (1 - p(pad)) that re-scoring does not see (docs/torchrl.md)
+        gen = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p, top_k=len(tokenizer),
+                   suppress_tokens=[int(tokenizer.pad_token_id)])
+        self.policy = TransformersWrapper(lm, tokenizer=tokenizer, input_mode="history", generate=True, generate_kwargs=gen,
+                                          return_log_probs=True, prefer_tokens=True)
+        self.actor = actor_module(lm, temperature, top_p)  # re-scores the behaviour log-probs (the learner's distribution)
+        self.compaction_factory(0)()  # fail now, not mid-run: the transform checks the budget against the texts
+        self.engine = self  # the trainer reads collector.engine.config.forced_steps (none here: compaction is by budget)
+        self.episodes_started = 0
+        self.batches_yielded = 0
+        self.last_episodes: list[EpisodeSummary] = []
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------ crl collector surface
+    def __iter__(self):
+        while True:
+            yield self.collect()
+
+    def update_policy_weights_(self, state_dict: dict | None = None) -> None:
+        """The wrapper holds the trainer's own module: nothing to copy unless weights are given."""
+        if state_dict is not None:
+            self.lm.load_state_dict(state_dict)
+
+    def state_dict(self) -> dict:
+        return {"episodes_started": self.episodes_started, "batches_yielded": self.batches_yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.episodes_started = int(state["episodes_started"])
+        self.batches_yielded = int(state["batches_yielded"])
+
+    def shutdown(self) -> None:
+        """Environments are built and closed per episode."""
+
+    # ------------------------------------------------------------------ episodes
+    @staticmethod
+    def make_compaction(tokenizer, config: CompactionConfig, max_new_tokens: int, texts: dict, rollout_id: int):
+        """``compaction(*on_action)`` for a suite's ``make_env``: a CompactionTransform numbering its one episode ``rollout_id``."""
+        return functools.partial(CompactionTransform, tokenizer, config, max_new_tokens, first_rollout_id=rollout_id, rollout_id_stride=1, **texts)
+
+    def compaction_factory(self, rollout_id: int):
+        return self.make_compaction(self.tokenizer, self.config, self.max_new_tokens, self.texts, rollout_id)
+
+    def _next_task(self, n: int):
+        if self.tasks_in_order:
+            return self.tasks[(self.rank + self.world_size * n) % len(self.tasks)]
+        draw = n // self.group_size if self.group_size > 1 else n
+        return random.Random(f"{self.task_seed}|{self.rank}|{'group|' if self.group_size > 1 else ''}{draw}").choice(self.tasks)
+
+    def _play(self, task, rollout_id: int, n: int):
+        env = self.suite.make_env(task, self.compaction_factory(rollout_id))
+        try:
+            cap = (self.config.max_steps or 10_000) * 2 + 2 * self.config.max_compactions + 2  # rollout's own step cap: never reached
+            with torch.random.fork_rng(devices=[]), set_list_to_stack(True):
+                torch.manual_seed(stream_seed(self.seed, "chat", self.rank, n))
+                reset = env.reset(TensorDict(query=[self.suite.query(task)], batch_size=(1,)))
+                with torch.no_grad():
+                    rows = env.rollout(cap, self.policy, tensordict=reset, auto_reset=False, break_when_any_done=True)
+        finally:
+            env.close(raise_if_closed=False)
+        return rows.reshape(-1)
+
+    def collect(self) -> TensorDict:
+        """Play ``episodes_per_batch`` episodes to the end and return their validated rows."""
+        t0 = time.perf_counter()
+        was_training = self.lm.training
+        self.lm.eval()
+        episodes, self.last_episodes = [], []
+        generated = {"action": 0, "summary": 0}
+        bar = tqdm(total=self.episodes_per_batch, desc=f"chat episodes ({self.split})", disable=not self.progress, leave=False)
+        try:
+            for _ in range(self.episodes_per_batch):
+                n = self.episodes_started
+                self.episodes_started += 1
+                rid = self.rank + self.world_size * n
+                group_id = self.rank + self.world_size * (n - n % self.group_size)
+                task = self._next_task(n)
+                task_id = str(getattr(task, "task_id", task))[:80]
+                try:
+                    rows = self._play(task, rid, n)
+                    td = to_episodes(rows, self.actor, vocab_size=len(self.tokenizer))
+                except Exception as err:  # the user's environment (or its tools) failed: this episode only
+                    warnings.warn(f"torchrl_chat episode {rid} ({task_id}) failed: {type(err).__name__}: {err}", stacklevel=2)
+                    self.last_episodes.append(EpisodeSummary(rid, task_id, EpisodeStatus.FAILED, 0.0, 0, 0, 0, f"{type(err).__name__}: {err}"))
+                    bar.update(1)
+                    continue
+                td["policy_version"] = torch.full((td.batch_size[0],), int(getattr(self.backend, "policy_version", 0)), dtype=torch.int64)
+                td["group_id"] = torch.full((td.batch_size[0],), group_id, dtype=torch.int64)
+                episodes.append(td)
+                summary_rows = td["segment_kind"] == 1
+                generated["summary"] += int(td["loss_mask"][summary_rows].sum())
+                generated["action"] += int(td["loss_mask"][~summary_rows].sum())
+                last = rows[-1]
+                self.last_episodes.append(EpisodeSummary(
+                    rid, task_id, EpisodeStatus(int(td["status"][0])), float(td["reward"][0]),
+                    int(last.get(("next", "compaction", "n_steps")).reshape(-1)[0]), int(summary_rows.sum()), int(td.batch_size[0]),
+                ))
+                bar.update(1)
+        finally:
+            bar.close()
+            self.lm.train(was_training)
+        if not episodes:
+            raise RuntimeError(f"every torchrl_chat episode of this batch failed ({self.last_episodes[0].error}); see the warnings above")
+        batch = concat_episodes(episodes)
+        validate_episodes(batch, vocab_size=len(self.tokenizer))
+        elapsed = time.perf_counter() - t0
+        self.batches_yielded += 1
+        n_done = len(self.last_episodes)
+        self.last_stats = {
+            "episodes": n_done, "generated_action_tokens": generated["action"], "generated_summary_tokens": generated["summary"],
+            "seconds": elapsed, "episodes_per_s": n_done / elapsed, "generated_tokens_per_s": (generated["action"] + generated["summary"]) / elapsed,
+        }
+        return batch
+

@@ -1,0 +1,285 @@
+"""crl.torchrl_llm: CompactionTransform in a TorchRL ChatEnv, the converter to crl's episode rows, and crl's Trainer on
+a ChatEnv suite (env.name=torchrl_chat). Numbers are checked against independent computations: the tokenizer's own
+``apply_chat_template``, a teacher-forced forward, the audit."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tensordict
+import torch
+from tensordict import TensorDict
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from crl.compaction import CompactionConfig, ConfigError
+from crl.episode import Provenance, SegmentKind, EpisodeStatus
+from crl.modules.byte_tokenizer import byte_chat_tokenizer
+from crl.modules.models import actor_module
+from crl.torchrl_llm import CompactionTransform, to_episodes
+
+from _chat_suite import EchoTool, FinalAnswerReward
+
+from torchrl.envs import TransformedEnv
+from torchrl.envs.llm import ChatEnv
+from torchrl.modules.llm import TransformersWrapper
+
+ROOT = Path(__file__).resolve().parents[1]
+C, T_COMP, MAX_NEW = 900, 300, 12
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def lm(tok):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def wrapper(lm, tok, prefer_tokens=True):
+    gen = dict(max_new_tokens=MAX_NEW, do_sample=True, suppress_tokens=[0], top_k=len(tok))
+    return TransformersWrapper(lm, tokenizer=tok, input_mode="history", generate=True, generate_kwargs=gen, return_log_probs=True,
+                               prefer_tokens=prefer_tokens)
+
+
+def make_env(tok, max_steps=20, max_compactions=2, first=0, stride=1, batch=1, secret="apple"):
+    cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP, max_compactions=max_compactions, keep_recent=1, max_steps=max_steps)
+    env = ChatEnv(batch_size=(batch,), input_mode="history", system_prompt="You answer with FINAL <word>.", tokenizer=tok)
+    return TransformedEnv(env, CompactionTransform(tok, cfg, MAX_NEW, EchoTool(60), FinalAnswerReward(secret),
+                                                   first_rollout_id=first, rollout_id_stride=stride))
+
+
+def play(env, policy, seed=0, query="The secret word is apple. Reply FINAL apple."):
+    torch.manual_seed(seed)
+    with tensordict.set_list_to_stack(True), torch.no_grad():
+        td = env.reset(TensorDict(query=[query], batch_size=(1,)))
+        return env.rollout(60, policy, tensordict=td, auto_reset=False, break_when_any_done=True).reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def rollout(tok, lm):
+    return play(make_env(tok), wrapper(lm, tok))
+
+
+def test_rollout_compacts_by_budget_and_converts_to_valid_alternating_segments(rollout, tok):
+    ep = to_episodes(rollout, vocab_size=len(tok))  # validate_episodes inside
+    kinds = ep["segment_kind"].tolist()
+    assert kinds == [0, 1, 0, 1, 0], kinds  # two compactions (max_compactions=2), then truncated at max_steps or budget
+    assert int(rollout[-1]["next", "compaction", "n_compactions"]) == 2
+    assert ep["status"][0] == EpisodeStatus.TRUNCATED and (ep["reward"] == 0).all()
+    # n_steps counts action turns only: rows minus summary turns
+    assert int(rollout[-1]["next", "compaction", "n_steps"]) == rollout.shape[0] - 2
+
+
+def test_eq7_fires_exactly_when_the_next_prompt_leaves_less_than_t_comp(rollout, tok):
+    gen = len(tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
+    q_turn = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)  # length of the q_sum turn, independently
+    from crl.chat import CHAT_SUMMARY_INSTRUCTION
+    q_len = len(tok.encode(q_turn.replace("x", CHAT_SUMMARY_INSTRUCTION) + "<|im_start|>assistant\n", add_special_tokens=False))
+    for i in range(rollout.shape[0] - 1):
+        row = rollout[i]
+        if int(row["compaction", "phase"]) == 1:
+            continue
+        nxt = row["next", "tokens", "prompt"].reshape(-1)
+        if int(row["next", "compaction", "phase"]) == 1:  # a summary request: h_t (without its generation prompt) + q_sum
+            h_len = nxt.numel() - q_len + gen
+            assert C - h_len < T_COMP
+        else:
+            assert C - nxt.numel() >= T_COMP
+
+
+def test_prompt_tokens_equal_the_chat_template_and_the_sampled_ids(rollout, tok):
+    first = rollout[0]
+    history = first["history"].prompt
+    messages = [{"role": r, "content": c} for r, c in zip(history.role, history.content)]
+    want = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    want = want["input_ids"] if isinstance(want, dict) else want
+    assert first["tokens", "prompt"].reshape(-1).tolist() == list(want)
+    for i in range(rollout.shape[0] - 1):  # inside a segment the next prompt starts with the ids as sampled
+        row = rollout[i]
+        if int(row["next", "compaction", "segment"]) == int(row["compaction", "segment"]):
+            full = row["tokens", "full"].reshape(-1).tolist()
+            assert row["next", "tokens", "prompt"].reshape(-1).tolist()[: len(full)] == full
+
+
+def test_summary_turns_run_no_tool_and_resume_holds_the_summary_and_the_tail(rollout, tok):
+    ep = to_episodes(rollout, vocab_size=len(tok))
+    summary_rows = [i for i in range(rollout.shape[0]) if int(rollout[i]["compaction", "phase"]) == 1]
+    assert len(summary_rows) == 2
+    for i in summary_rows:
+        nxt = rollout[i]["next", "history"].prompt
+        roles = list(nxt.role)
+        assert roles[:2] == ["system", "user"] and roles[2:] == ["assistant", "tool"]  # k=1 whole step, no tool answer to the summary
+        summary = rollout[i]["tokens", "response"].reshape(-1).tolist()
+        summary_text = tok.decode(summary[:-1] if summary[-1] == tok.eos_token_id else summary)
+        assert summary_text in nxt.content[1]
+    # provenance: the copied summary in the next execution segment decodes to the sampled summary
+    s1 = ep[1]
+    sampled = s1["tokens"][s1["provenance"] == Provenance.SUMMARY].tolist()
+    e2 = ep[2]
+    copied = e2["tokens"][e2["provenance"] == Provenance.COPIED_SUMMARY].tolist()
+    assert tok.decode(copied) == tok.decode(sampled[:-1] if sampled[-1] == tok.eos_token_id else sampled)
+    assert (ep["loss_mask"] == ((ep["provenance"] == Provenance.ACTION) | (ep["provenance"] == Provenance.SUMMARY))).all()
+    assert (s1["provenance"] == Provenance.COPIED_ACTION).any() and not (s1["provenance"] == Provenance.ACTION).any()
+
+
+def test_rescored_log_probs_give_ratio_one_and_summary_gradients(rollout, tok, lm):
+    from crl.modules.models import ValueModel, critic_module
+    from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
+
+    actor = actor_module(lm)
+    ep = to_episodes(rollout, actor, vocab_size=len(tok))
+    # independent teacher forcing: log_softmax of one plain forward
+    with torch.no_grad():
+        logits = lm(input_ids=ep["tokens"], attention_mask=ep["attention_mask"].long()).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ep["tokens"][:, 1:, None]).squeeze(-1)
+    lp = torch.nn.functional.pad(lp, (1, 0)) * ep["loss_mask"]
+    torch.testing.assert_close(ep["sample_log_prob"], lp, atol=1e-5, rtol=0)
+    raw = to_episodes(rollout, vocab_size=len(tok))  # TorchRL's generation log-probs: the first response token's is 0
+    starts = (raw["loss_mask"].long().diff(dim=1, prepend=torch.zeros(raw.shape[0], 1, dtype=torch.long)) == 1)
+    assert (raw["sample_log_prob"][starts] == 0).all() and (lp[starts] != 0).all()
+    critic = critic_module(ValueModel.from_actor(lm, head_init="normal"))
+    loss = CompactionPPOLoss(actor, critic)
+    loss.make_value_estimator(CrossTrajectoryGAE, gamma=1.0, alpha=1.5, lambda_length="rollout")
+    loss.value_estimator(ep)
+    out = loss(ep)
+    assert float(out["approx_kl"]) == 0.0 and float(out["clip_fraction"]) == 0.0
+    lm.zero_grad()
+    out["loss_objective"].backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lm.parameters())
+    summary_adv = ep["advantage"][(ep["provenance"] == Provenance.SUMMARY)]
+    assert summary_adv.numel() > 0 and (summary_adv != 0).any()  # summary tokens get credit from the final reward
+    lm.zero_grad()
+
+
+def test_a_correct_final_answer_completes_with_reward_one(tok, lm):
+    class Scripted:  # a policy that answers at once, through the same wrapper output keys
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, td):
+            td = self.inner(td)
+            return td
+
+    env = make_env(tok)
+    ids = tok.encode("FINAL apple<|im_end|>", add_special_tokens=False)
+    policy = wrapper(lm, tok)
+
+    def forced(td):
+        td = policy(td)  # for the keys; then the response is replaced by a fixed answer, prompt kept
+        from torchrl.data.llm import History
+        prompt = td["tokens", "prompt"].reshape(1, -1)
+        td["tokens", "response"] = torch.tensor([ids])
+        td["tokens", "full"] = torch.cat([prompt, td["tokens", "response"]], -1)
+        h = td["history"]
+        h.full = h.prompt.extend(History(role=[["assistant"]], content=[["FINAL apple"]], batch_size=(1, 1)), inplace=False, dim=-1)
+        return td
+
+    rows = play(env, forced)
+    ep = to_episodes(rows, vocab_size=len(tok))
+    assert rows.shape[0] == 1 and ep["status"].tolist() == [EpisodeStatus.COMPLETED] and ep["reward"].tolist() == [1.0]
+
+
+def test_rollout_ids_are_unique_across_environments_and_episodes(tok, lm):
+    policy = wrapper(lm, tok)
+    envs = [make_env(tok, max_steps=1, first=r, stride=2) for r in range(2)]  # two workers
+    ids = [int(play(env, policy, seed=s)[0]["compaction", "rollout_id"]) for s in range(3) for env in envs]
+    assert sorted(ids) == [0, 1, 2, 3, 4, 5]
+
+
+def test_bad_setups_fail_with_the_fix_named(tok, lm):
+    cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP)
+    with pytest.raises(ConfigError, match="forced_steps"):
+        CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=T_COMP, forced_steps=(2,)), MAX_NEW)
+    with pytest.raises(ConfigError, match="overflow"):
+        CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=8), MAX_NEW)
+    with pytest.raises(ConfigError, match="summary request"):
+        CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=20), MAX_NEW)
+    same = byte_chat_tokenizer()
+    same.pad_token = same.eos_token
+    with pytest.raises(ConfigError, match="pad token"):
+        CompactionTransform(same, cfg, MAX_NEW)
+    with pytest.raises(ValueError, match="batch_size=\\(1,\\)"):
+        env = make_env(tok, batch=2)
+        with tensordict.set_list_to_stack(True):
+            env.reset(TensorDict(query=["a", "b"], batch_size=(2,)))
+    with pytest.raises(ValueError, match="prefer_tokens=True"):  # the history path re-tokenises: refused, not silently drifting
+        play(make_env(tok), wrapper(lm, tok, prefer_tokens=False))
+
+
+def test_max_steps_truncates(tok, lm):
+    rows = play(make_env(tok, max_steps=2), wrapper(lm, tok))
+    ep = to_episodes(rows, vocab_size=len(tok))
+    assert rows.shape[0] == 2 and bool(rows[-1]["next", "truncated"]) and ep["status"][0] == EpisodeStatus.TRUNCATED
+
+
+def test_llm_collector_with_the_converter_as_postproc(tok, lm):
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.envs.llm.transforms import DataLoadingPrimer
+
+    with tensordict.set_list_to_stack(True):
+        env = TransformedEnv(ChatEnv(batch_size=(1,), input_mode="history", system_prompt="Answer with FINAL <word>.", tokenizer=tok),
+                             DataLoadingPrimer(dataloader=iter([{"query": "The secret word is apple."}] * 50), batch_size=(1,)))
+        cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP, max_compactions=1, keep_recent=1, max_steps=10)
+        env.append_transform(CompactionTransform(tok, cfg, MAX_NEW, EchoTool(60), FinalAnswerReward("apple")))
+        torch.manual_seed(1)
+        col = LLMCollector(env, policy=wrapper(lm, tok), dialog_turns_per_batch=12, yield_completed_trajectories=True,
+                           postproc=lambda td: to_episodes(td, actor_module(lm), vocab_size=len(tok)))
+        seen, summaries = [], 0
+        for i, batch in enumerate(col):
+            seen += batch["rollout_id"].unique().tolist()
+            summaries += int((batch["segment_kind"] == SegmentKind.SUMMARY).sum())
+            if i == 1:
+                break
+        col.shutdown()
+    assert len(seen) == len(set(seen)) >= 2 and summaries >= 1
+
+
+def chat_config(tmp_path, extra=()):
+    from crl.config import load_config
+
+    base = [f"run_dir={tmp_path / 'run'}", "model.preset=llama-tiny", "model.max_action_tokens=12", "model.value_head_init=normal",
+            "prompt.format=chat", "env.name=torchrl_chat", "env.factory=tests._chat_suite:make_suite", "compaction.context_capacity=900",
+            "compaction.min_remaining=300", "compaction.max_compactions=2", "compaction.keep_recent=1", "compaction.max_steps=12",
+            "warm_start.enabled=false", "train.iterations=2", "train.episodes_per_batch=2", "train.critic_warmup_iterations=0",
+            "eval.every=1", "eval.episodes=2", "tools.sandbox=none", "logging.wandb_mode=disabled", *extra]
+    return base
+
+
+def test_trainer_trains_a_chat_env_suite_through_train_py_and_audits_pass(tmp_path):
+    overrides = chat_config(tmp_path)
+    cmd = [sys.executable, "scripts/train.py", "--config", "configs/default.yaml", *overrides]
+    env = {**__import__("os").environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "UNSANDBOXED" in out.stderr  # tools.sandbox=none warns on every start
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("episode/compactions", 0) for r in rows) > 0
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:]
+    # resume: one more iteration continues from the newest checkpoint with fresh rollout ids
+    cmd2 = [c if not c.startswith("train.iterations=") else "train.iterations=3" for c in cmd] + ["checkpoint.resume=force"]
+    out = subprocess.run(cmd2, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0, audit.stdout[-3000:]
+
+
+@pytest.mark.parametrize("override, match", [
+    ("model.backend=vllm", "model.backend"),
+    ("warm_start.enabled=true", "warm_start.enabled"),
+    ("prompt.format=plain", "prompt.format"),
+    ("compaction.min_remaining=8", "compaction.min_remaining"),
+    ("algo.frozen_summary=true", "algo.frozen_summary"),
+])
+def test_unsupported_torchrl_chat_configs_fail_at_load(tmp_path, override, match):
+    from crl.config import ConfigValidationError, load_config
+
+    overrides = [o for o in chat_config(tmp_path) if not o.startswith(override.split("=")[0] + "=")] + [override]
+    with pytest.raises(ConfigValidationError, match=match):
+        load_config(str(ROOT / "configs/default.yaml"), overrides)
