@@ -106,7 +106,7 @@ def build_tokenizer(cfg) -> TextCodec:
     if chat_preset or (path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))):
         from transformers import AutoTokenizer
 
-        tok = chat_tokenizer(cfg) if chat_preset else AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = chat_tokenizer(cfg) if cfg.env.name == "torchrl_chat" else AutoTokenizer.from_pretrained(path, local_files_only=True)
         if tok.eos_token_id is None:
             raise ValueError(f"the tokenizer in {path} has no EOS token; actions and summaries need one to stop")
         return TextCodec(
@@ -187,13 +187,25 @@ def chat_tokenizer(cfg):
     """The ``transformers`` tokenizer of an ``env.name: torchrl_chat`` run: the checkpoint's own, or for a preset the
     byte-level ChatML tokenizer (:mod:`crl.modules.byte_tokenizer`; any text round-trips, code included)."""
     path = Path(cfg.model.preset)
-    if path.is_dir():
-        from crl.chat import load_chat_tokenizer
+    if not path.is_dir():
+        from crl.modules.byte_tokenizer import byte_chat_tokenizer
 
-        return load_chat_tokenizer(path)
-    from crl.modules.byte_tokenizer import byte_chat_tokenizer
+        return byte_chat_tokenizer()
+    from crl.chat import load_chat_tokenizer
 
-    return byte_chat_tokenizer()
+    tok = load_chat_tokenizer(path)
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        # TorchRL's wrapper masks responses with != pad: pad = EOS would drop the sampled EOS (docs/torchrl.md).
+        # Another special token that the policy never ends a turn with serves (SmolLM2: <|endoftext|>).
+        spare = [t for t in ("<|endoftext|>", tok.bos_token, tok.unk_token, "<|pad|>")
+                 if t and t != tok.eos_token and tok.convert_tokens_to_ids(t) not in (None, tok.unk_token_id if t != tok.unk_token else None)]
+        if not spare:
+            from crl.config import ConfigValidationError
+
+            raise ConfigValidationError(f"model.preset: the tokenizer in {path} pads with its EOS and has no other special token to pad with; "
+                                        "add a pad token to the checkpoint (tokenizer.add_special_tokens({'pad_token': '<|pad|>'}), resize the embeddings)")
+        tok.pad_token = spare[0]
+    return tok
 
 
 _CHAT_SUITES: dict = {}
