@@ -36,3 +36,24 @@ def test_trainer_quickstart_runs(tmp_path, monkeypatch):
     scope: dict = {}
     exec(compile(block.replace("runs/quickstart", str(tmp_path / "quickstart")), "README trainer quickstart", "exec"), scope)
     assert "advantage" in scope["batch"].keys() and scope["trainer"].step_log["grad_norms"]["critic"]
+
+
+def test_torchrl_quickstart_runs_compacts_and_trains(monkeypatch):
+    """The README's TorchRL block as written: LLMCollector + CompactionTransform + to_episodes + CompactionPPOLoss."""
+    from tensordict import set_list_to_stack
+
+    from crl.episode import SegmentKind
+
+    block = re.search(r"## Quickstart: crl inside TorchRL's LLM stack.*?```python\n(.*?)```", README, re.S).group(1)
+    monkeypatch.chdir(ROOT)
+    torch.manual_seed(0)
+    scope: dict = {}
+    with set_list_to_stack(True):
+        exec(compile(block, "README torchrl quickstart", "exec"), scope)
+    batch, out, lm = scope["batch"], scope["out"], scope["lm"]
+    assert scope["i"] == 1 and torch.isfinite(out["loss_objective"]) and torch.isfinite(out["loss_critic"])
+    assert {"advantage", "value_target", "rollout_id", "provenance"} <= set(batch.keys())
+    assert float(out["approx_kl"]) < 1e-3  # behaviour log-probs re-scored (one update between batches)
+    assert "GRPOLoss" in block and "MCAdvantage" in block  # the swap is shown
+    kinds = batch["segment_kind"].tolist()
+    assert SegmentKind.SUMMARY in kinds, kinds  # the budget (Eq. 7) compacted the last batch's rollouts
