@@ -152,11 +152,13 @@ def test_train_py_on_the_tool_task_two_iterations_sandboxed_compacts_and_audits(
 
 @pytest.mark.real_model
 def test_train_py_on_the_tool_task_with_smollm2_one_iteration(smollm2_dir, tmp_path):
-    """SmolLM2-135M-Instruct's own chat template and tokenizer (pad <|endoftext|>, not its EOS) through the tool task."""
+    """SmolLM2-135M-Instruct's own chat template and tokenizer (pad <|endoftext|>, not its EOS) through the tool task
+    (~4 minutes on one CPU thread: a dev episode before and after, one training episode; BPE prompts ~330 tokens, so
+    C - T_comp = 560 is reached within 4 steps of 64 tokens, or by one printed data.txt)."""
     run_dir = tmp_path / "run"
     run_and_audit([sys.executable, "scripts/train.py", "--config", "configs/python_tool.yaml", f"model.preset={smollm2_dir}",
-                   f"run_dir={run_dir}", "train.iterations=1", "train.episodes_per_batch=1", "eval.every=0",
-                   "compaction.context_capacity=1536", "compaction.min_remaining=800", "compaction.max_steps=8",
+                   f"run_dir={run_dir}", "train.iterations=1", "train.episodes_per_batch=1", "eval.every=0", "eval.episodes=1",
+                   "compaction.context_capacity=1280", "compaction.min_remaining=720", "compaction.max_steps=6",
                    "logging.wandb_mode=disabled", "logging.progress=false"], run_dir)
     rollout = load_episodes(run_dir / "evidence" / "iter_000000" / "rank_0" / "rollout.pt")
     assert (rollout["segment_kind"] == SegmentKind.SUMMARY).any(), "no compaction happened"

@@ -283,3 +283,49 @@ def test_unsupported_torchrl_chat_configs_fail_at_load(tmp_path, override, match
     overrides = [o for o in chat_config(tmp_path) if not o.startswith(override.split("=")[0] + "=")] + [override]
     with pytest.raises(ConfigValidationError, match=match):
         load_config(str(ROOT / "configs/default.yaml"), overrides)
+
+
+def test_two_ranks_under_accelerate_zero2_give_unique_rollout_ids_and_audit_pass(tmp_path):
+    """``accelerate launch`` (DeepSpeed ZeRO-2, 2 gloo ranks) on a ChatEnv suite: each rank plays its own episodes
+    (rollout ids rank + 2n), the audit checks every iteration's rows over both ranks."""
+    import os
+
+    from _gloo import free_port
+
+    overrides = [o for o in chat_config(tmp_path) if not o.startswith("train.iterations=")] + ["train.iterations=1", "eval.every=0"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml", "--num_processes", "2",
+           "--main_process_port", str(free_port()), "scripts/train.py", "--config", "configs/default.yaml", *overrides]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from crl.episode import load_episodes
+
+    ids = [set(load_episodes(tmp_path / "run" / "evidence" / "iter_000000" / f"rank_{r}" / "rollout.pt")["rollout_id"].tolist()) for r in (0, 1)]
+    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    assert all(i % 2 == 0 for i in ids[0]) and all(i % 2 == 1 for i in ids[1])
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:]
+
+
+def test_log_prob_actor_wraps_a_torchrl_wrapper_as_crls_actor(rollout, tok, lm):
+    """CompactionPPOLoss with a TorchRL TransformersWrapper (log-prob mode over crl's rows) as its actor: the same
+    per-token log-probs as crl's own actor (temperature 1), so the first PPO ratio is exactly 1."""
+    from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
+    from crl.modules.models import ValueModel, critic_module
+    from crl.torchrl_llm import LogProbActor
+
+    wrapper = TransformersWrapper(lm, tokenizer=tok, input_mode="tokens", input_key="tokens", attention_mask_key="attention_mask",
+                                  generate=False, pad_output=True, tokens_key=("lm", "tokens"), masks_key=("lm", "masks"),
+                                  log_probs_key=("lm", "log_probs"))
+    ep = to_episodes(rollout, actor_module(lm), vocab_size=len(tok))
+    ours = LogProbActor(wrapper)(ep.select("tokens", "attention_mask").clone())["log_prob"]
+    ref = actor_module(lm)(ep.select("tokens", "attention_mask").clone())["log_prob"]
+    torch.testing.assert_close(ours * ep["loss_mask"], ref * ep["loss_mask"], atol=1e-5, rtol=0)
+    loss = CompactionPPOLoss(LogProbActor(wrapper), critic_module(ValueModel.from_actor(lm, head_init="normal")))
+    loss.make_value_estimator(CrossTrajectoryGAE, gamma=1.0, alpha=1.5, lambda_length="rollout")
+    loss.value_estimator(ep)
+    out = loss(ep)
+    assert float(out["approx_kl"]) < 1e-6 and float(out["clip_fraction"]) == 0.0
+    out["loss_objective"].backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lm.parameters())
+    lm.zero_grad()
