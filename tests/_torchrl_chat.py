@@ -54,22 +54,12 @@ def chat_tokenizer():
     return byte_chat_tokenizer()
 
 
-def _gpt2_byte_chars() -> dict[int, str]:
-    """GPT-2's bytes_to_unicode: the printable character the ByteLevel pre-tokenizer writes for each byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def byte_ids(data: str | bytes, tokenizer=None) -> list[int]:
     """The byte tokenizer's ids for raw bytes (any bytes, valid UTF-8 or not): one id per byte."""
     tok = tokenizer if tokenizer is not None else chat_tokenizer()
-    table = {b: tok.convert_tokens_to_ids(ch) for b, ch in _gpt2_byte_chars().items()}
+    from crl.modules.byte_tokenizer import bytes_to_unicode
+
+    table = {b: tok.convert_tokens_to_ids(ch) for b, ch in bytes_to_unicode().items()}
     return [table[b] for b in (data.encode() if isinstance(data, str) else data)]
 
 

@@ -329,3 +329,17 @@ def test_log_prob_actor_wraps_a_torchrl_wrapper_as_crls_actor(rollout, tok, lm):
     out["loss_objective"].backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lm.parameters())
     lm.zero_grad()
+
+
+def test_byte_chat_tokenizer_round_trips_any_text_one_token_per_byte(tok):
+    import random
+
+    rng = random.Random(0)
+    alphabet = "abcXYZ019 \n\t{}()[]#'\"\\é€😀<|>_"
+    for _ in range(50):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == len(text.encode()) and tok.decode(ids) == text
+    assert tok.encode("<|im_end|>", add_special_tokens=False) == [tok.eos_token_id] and tok.pad_token_id == 0 != tok.eos_token_id
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["BYTE_CHAT_SPECIALS", "CHATML_TEMPLATE", "byte_chat_tokenizer"]
+__all__ = ["BYTE_CHAT_SPECIALS", "CHATML_TEMPLATE", "byte_chat_tokenizer", "bytes_to_unicode"]
 
 BYTE_CHAT_SPECIALS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -26,10 +26,10 @@ CHATML_TEMPLATE = (
 @lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
 
     specials = {tok: i for i, tok in enumerate(BYTE_CHAT_SPECIALS)}
-    byte_chars = sorted(ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
+    table = bytes_to_unicode()
+    byte_chars = [table[b] for b in range(256)]  # id = 3 + byte value
     vocab = dict(specials)
     vocab.update({ch: len(specials) + i for i, ch in enumerate(byte_chars)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
@@ -39,8 +39,8 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _byte_of(ch: str) -> int:
-    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode, inverted)."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table: the printable character the ByteLevel pre-tokenizer writes for each byte (0..255)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
@@ -48,7 +48,7 @@ def _byte_of(ch: str) -> int:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(map(chr, cs), bs))[ch]
+    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def byte_chat_tokenizer():
