@@ -343,3 +343,34 @@ def test_byte_chat_tokenizer_round_trips_any_text_one_token_per_byte(tok):
     assert tok.encode("<|im_end|>", add_special_tokens=False) == [tok.eos_token_id] and tok.pad_token_id == 0 != tok.eos_token_id
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True) == \
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_collector_counts_a_raising_environment_as_failed_and_goes_on(tok, lm):
+    from _chat_suite import EchoSuite
+
+    from crl.modules.generation import make_backend
+    from crl.torchrl_llm.collector import ChatCollector
+
+    class Flaky(EchoSuite):
+        def make_env(self, task, compaction):
+            if task == "river":
+                raise RuntimeError("tool server down")
+            return super().make_env(task, compaction)
+
+    suite = Flaky(tok, seed=0)
+    cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP, max_compactions=1, keep_recent=1, max_steps=3)
+    col = ChatCollector(suite, "train", make_backend("transformers", model=lm, seed=3), tok, cfg, episodes_per_batch=4,
+                        max_new_tokens=MAX_NEW, tasks_in_order=True)
+    with pytest.warns(UserWarning, match="tool server down"):
+        batch = col.collect()
+    statuses = [e.status for e in col.last_episodes]
+    assert statuses.count(EpisodeStatus.FAILED) == 1 and len(statuses) == 4
+    failed = next(e for e in col.last_episodes if e.status == EpisodeStatus.FAILED)
+    assert failed.rollout_id not in batch["rollout_id"].tolist() and "tool server down" in failed.error
+    assert sorted(set(batch["rollout_id"].tolist())) == sorted(e.rollout_id for e in col.last_episodes if e.status != EpisodeStatus.FAILED)
+    # reproducible: the same seed and episode numbers sample the same tokens
+    col2 = ChatCollector(suite, "train", make_backend("transformers", model=lm, seed=3), tok, cfg, episodes_per_batch=4,
+                         max_new_tokens=MAX_NEW, tasks_in_order=True)
+    with pytest.warns(UserWarning):
+        again = col2.collect()
+    assert torch.equal(again["tokens"], batch["tokens"])
