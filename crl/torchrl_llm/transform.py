@@ -137,7 +137,7 @@ class CompactionTransform(Compose):
         """Ids and provenance of ``messages[start:]`` + the generation prompt, message by message.
 
         ``provenance[i]`` tags message ``i``'s span (its turn markup included); the generation prompt takes the
-        last message's tag. Needs a prefix-stable template: ``render(m[:i]) `` is a prefix of ``render(m[:i+1])``.
+        last message's tag. Needs a prefix-stable template: ``render(m[:i])`` is a prefix of ``render(m[:i+1])``.
         """
         ids, prov = [], []
         before = self._render(messages[:start], False)
