@@ -374,3 +374,16 @@ def test_chat_collector_counts_a_raising_environment_as_failed_and_goes_on(tok, 
     with pytest.warns(UserWarning):
         again = col2.collect()
     assert torch.equal(again["tokens"], batch["tokens"])
+
+
+def test_import_refuses_an_untested_torchrl_with_the_install_command(monkeypatch):
+    import importlib.metadata
+
+    import crl.torchrl_llm as bridge
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda pkg: "0.15.0" if pkg == "torchrl" else real(pkg))
+    with pytest.raises(ImportError, match=r"tested with torchrl 0\.14\.x and found torchrl 0\.15\.0.*pip install"):
+        bridge._check_versions()
+    monkeypatch.setattr(importlib.metadata, "version", real)
+    bridge._check_versions()  # the installed versions pass
