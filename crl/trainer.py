@@ -201,7 +201,9 @@ class Trainer:
         # ---- policy (warm-started), critic (initialised from the policy: the paper's init), optimizers, engines
         if not self.stage3:  # zero.Init already placed the partitions on the device
             self.lm.to(self.device)  # warm start, the critic's copy and the frozen copy are made on the device
-        actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p)  # the sampler's distribution
+        # the sampler's distribution (a TorchRL chat sampler never draws the pad token: crl/torchrl_llm/collector.py)
+        never = (self.codec.tokenizer.pad_token_id,) if cfg.env.name == "torchrl_chat" else ()
+        actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p, suppress_ids=never)
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             self.warm_start()
         # the critic (initialised from the policy: the paper's init); algo.estimator=group trains without one

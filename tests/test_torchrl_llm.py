@@ -387,3 +387,25 @@ def test_import_refuses_an_untested_torchrl_with_the_install_command(monkeypatch
         bridge._check_versions()
     monkeypatch.setattr(importlib.metadata, "version", real)
     bridge._check_versions()  # the installed versions pass
+
+
+def test_rescoring_equals_the_distribution_generate_samples_from(tok, lm):
+    """The sampler (transformers' generate with the ChatCollector's kwargs: temperature, no top-k, pad suppressed) and
+    the re-scoring actor agree exactly: generate's own processed scores at each sampled token (an independent
+    computation of the behaviour log-prob) equal crl's teacher-forced log-probs; without the suppression they differ."""
+    prompt = torch.tensor([tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)])
+    torch.manual_seed(5)
+    T = 0.7
+    out = lm.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=True, temperature=T, top_k=len(tok),
+                      suppress_tokens=[tok.pad_token_id], return_dict_in_generate=True, output_scores=True, pad_token_id=tok.pad_token_id)
+    seq = out.sequences
+    new = seq[0, prompt.shape[1]:]
+    behaviour = torch.stack([torch.log_softmax(s[0].float(), -1)[t] for s, t in zip(out.scores, new)])
+    mask = torch.ones_like(seq, dtype=torch.bool)
+    td = TensorDict(tokens=seq, attention_mask=mask, batch_size=[1])
+    ours = actor_module(lm, T, suppress_ids=[tok.pad_token_id])(td.clone())["log_prob"][0, prompt.shape[1]:]
+    torch.testing.assert_close(ours, behaviour, atol=2e-5, rtol=0)
+    plain = actor_module(lm, T)(td.clone())["log_prob"][0, prompt.shape[1]:]
+    assert (plain - behaviour).abs().max() > 1e-4  # the suppression is what makes them equal
+    # entropy stays finite with suppressed ids (p = 0 contributes 0)
+    assert torch.isfinite(actor_module(lm, T, suppress_ids=[tok.pad_token_id])(td.clone())["entropy"]).all()

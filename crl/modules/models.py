@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,7 @@ class CausalLMLogProbs(nn.Module):
     OUTSIDE_TOP_P_LOG_PROB = -100.0
     chunk_size = 128  # positions per chunk of the top_p=1 fast path
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0):
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -103,6 +104,9 @@ class CausalLMLogProbs(nn.Module):
         self.temperature = temperature
         self.top_p = top_p
         self._params = SamplingParams(temperature=temperature, top_p=top_p)
+        # token ids the sampler never draws (transformers' suppress_tokens: logit -inf before temperature and top-p),
+        # excluded here too so that the learner's distribution is the sampler's (crl.torchrl_llm suppresses pad)
+        self.suppress_ids = tuple(int(i) for i in suppress_ids)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None,
                 alternatives: torch.Tensor | None = None):
@@ -110,10 +114,15 @@ class CausalLMLogProbs(nn.Module):
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
         out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
+        logits = out.logits
+        if self.suppress_ids:
+            logits = logits.index_fill(-1, torch.tensor(self.suppress_ids, device=logits.device), float("-inf"))
         if self.top_p == 1:  # fast path: never materialises [B, T, V] log-probs (see chunked_log_probs)
-            log_prob, entropy = chunked_log_probs(out.logits, tokens, self.temperature, self.chunk_size)
+            log_prob, entropy = chunked_log_probs(logits, tokens, self.temperature, self.chunk_size)
+            if self.suppress_ids:  # a suppressed id in the context (padding included) is never sampled: see top-p below
+                log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
         else:
-            logp_all = _shift(sampling_log_probs(out.logits, self._params))
+            logp_all = _shift(sampling_log_probs(logits, self._params))
             outside = torch.isneginf(logp_all)
             p_all = logp_all.exp()  # exactly 0 outside the top-p set, and so is its gradient
             entropy = -(p_all * logp_all.masked_fill(outside, 0.0)).sum(-1)
@@ -124,7 +133,7 @@ class CausalLMLogProbs(nn.Module):
         if alternatives is None:
             return log_prob * keep, entropy * keep
         rows, cols = ((alternatives >= 0).any(-1) & keep).nonzero(as_tuple=True)
-        logp = sampling_log_probs(out.logits[rows, cols - 1], self._params)  # [N, V]: the distribution at t - 1 predicts t
+        logp = sampling_log_probs(logits[rows, cols - 1], self._params)  # [N, V]: the distribution at t - 1 predicts t
         alt = alternatives[rows, cols]
         picked = logp.gather(-1, alt.clamp_min(0)).masked_fill(alt < 0, float("-inf"))
         log_prob_set = torch.zeros_like(log_prob).index_put((rows, cols), picked.logsumexp(-1))
@@ -133,7 +142,8 @@ class CausalLMLogProbs(nn.Module):
 
 def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # the same ops as sampling_log_probs(top_p=1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    finite = logp.masked_fill(torch.isneginf(logp), 0.0)  # suppressed ids: p = 0 contributes 0 (not 0 * -inf)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * finite).sum(-1)
 
 
 def chunked_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_size: int = 128):
@@ -217,10 +227,10 @@ class ValueModel(nn.Module):
 MODEL_IN_KEYS = ("tokens", "attention_mask")  # what an actor or a critic reads from an episode TensorDict
 
 
-def actor_module(lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0) -> TensorDictModule:
+def actor_module(lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()) -> TensorDictModule:
     """A causal LM as the actor: ``(tokens, attention_mask) -> (log_prob, entropy)`` of the sampling distribution
-    (``temperature``, ``top_p``; see :class:`CausalLMLogProbs`)."""
-    return TensorDictModule(CausalLMLogProbs(lm, temperature, top_p), in_keys=list(MODEL_IN_KEYS), out_keys=["log_prob", "entropy"])
+    (``temperature``, ``top_p``, never-sampled ``suppress_ids``; see :class:`CausalLMLogProbs`)."""
+    return TensorDictModule(CausalLMLogProbs(lm, temperature, top_p, suppress_ids), in_keys=list(MODEL_IN_KEYS), out_keys=["log_prob", "entropy"])
 
 
 def critic_module(value_model: nn.Module) -> TensorDictModule:

@@ -81,14 +81,14 @@ class ChatCollector:
         self.episodes_per_batch, self.max_new_tokens = episodes_per_batch, max_new_tokens
         self.seed, self.task_seed, self.rank, self.world_size = seed, task_seed, rank, world_size
         self.tasks_in_order, self.group_size, self.progress = tasks_in_order, group_size, progress
-        # top_k = the vocabulary: no top-k truncation (transformers' default is 50), so the learner's distribution is the
-        # sampler's; the pad token is never sampled (TorchRL's wrapper reads pad as padding), which moves each sampled
-        # token's probability by a factor 1 / (1 - p(pad)) that re-scoring does not see (docs/torchrl.md)
+        # top_k = the vocabulary: no top-k truncation (transformers' default is 50); the pad token is never sampled
+        # (TorchRL's wrapper reads pad as padding), and the re-scoring actor excludes it the same way, so the
+        # learner's distribution is exactly the sampler's (tests/test_torchrl_llm.py checks against generate's scores)
         gen = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p, top_k=len(tokenizer),
                    suppress_tokens=[int(tokenizer.pad_token_id)])
         self.policy = TransformersWrapper(lm, tokenizer=tokenizer, input_mode="history", generate=True, generate_kwargs=gen,
                                           return_log_probs=True, prefer_tokens=True)
-        self.actor = actor_module(lm, temperature, top_p)  # re-scores the behaviour log-probs (the learner's distribution)
+        self.actor = actor_module(lm, temperature, top_p, suppress_ids=[int(tokenizer.pad_token_id)])  # re-scores behaviour log-probs
         self.compaction_factory(0)()  # fail now, not mid-run: the transform checks the budget against the texts
         self.engine = self  # the trainer reads collector.engine.config.forced_steps (none here: compaction is by budget)
         self.episodes_started = 0
