@@ -388,6 +388,14 @@ class Sandbox:
             args += ["--size", str(self.limits.scratch_mb << 20)]
         args += ["--perms", "1777", "--tmpfs", "/tmp", "--perms", "0777", "--dir", SCRATCH]
         made = set()
+        for d in _interpreter_dirs(self.python):  # an interpreter or venv under /tmp (a CI checkout): bound back read-only
+            if _inside(d, "/tmp"):
+                for p in reversed(PurePosixPath(d).parents):
+                    if _inside(str(p), "/tmp") and str(p) not in made:
+                        made.add(str(p))
+                        args += ["--perms", "0755", "--dir", str(p)]
+                args += ["--ro-bind", d, d]
+        made = set()
         for name in sorted(self.files):
             parts = PurePosixPath(name).parts
             for i in range(1, len(parts)):  # a file in a subdirectory: the directories first, writable

@@ -474,3 +474,16 @@ def test_python_tool_arguments():
         PythonTool(mode="none", max_blocks=0)
     assert extract_code_blocks("a\n```python\nx = 1\ny = 2\n```\n```bash\nls\n```\n```py\nz\n```") == ["x = 1\ny = 2", "z"]
     assert extract_code_blocks("no code, just ```inline``` text") == []
+
+
+def test_an_interpreter_under_tmp_still_runs(bwrap, tmp_path):
+    """A checkout under /tmp (CI clones there) has its venv under /tmp, which the sandbox covers with its own tmpfs:
+    the interpreter's directories are bound back read-only, and the rest of the host's /tmp stays hidden."""
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (tmp_path / "secret.txt").write_text("host tmp")
+    r = Sandbox(python=str(venv / "bin" / "python")).run(
+        f"import os; print(os.path.exists({str(tmp_path / 'secret.txt')!r}))")
+    assert r.returncode == 0, r.as_observation()
+    assert r.stdout.split() == ["False"]
