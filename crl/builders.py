@@ -259,6 +259,13 @@ def check_tool_sandbox(cfg) -> None:
         raise ConfigValidationError(f"tools.sandbox: {err}") from None
 
 
+def chat_compaction_texts(cfg) -> dict:
+    """The ``prompt.*`` overrides a torchrl_chat run passes to :class:`crl.torchrl_llm.CompactionTransform` (the rest of
+    its turns are the suite's)."""
+    p = cfg.prompt
+    return {name: getattr(p, name) for name in ("summary_instruction", "resume_prefix", "resume_suffix") if getattr(p, name) is not None}
+
+
 def build_chat_collector(cfg, split: str, backend, codec: "TextCodec", *, evaluation: bool = False, rank: int = 0, world: int = 1,
                          progress: bool = False):
     """The :class:`crl.torchrl_llm.collector.ChatCollector` of ``split`` (``env.name: torchrl_chat``): the same episode
@@ -267,8 +274,7 @@ def build_chat_collector(cfg, split: str, backend, codec: "TextCodec", *, evalua
 
     from crl.torchrl_llm.collector import ChatCollector
 
-    p = cfg.prompt
-    texts = {name: getattr(p, name) for name in ("summary_instruction", "resume_prefix", "resume_suffix") if getattr(p, name) is not None}
+    texts = chat_compaction_texts(cfg)
     return ChatCollector(
         build_chat_suite(cfg, codec.tokenizer), split, backend, codec.tokenizer, build_compaction_config(cfg, None),
         episodes_per_batch=math.ceil(cfg.eval.episodes / world) if evaluation else cfg.train.episodes_per_batch,
@@ -285,8 +291,7 @@ def check_chat_budgets(cfg, codec: "TextCodec") -> None:
     from crl.torchrl_llm.collector import ChatCollector
 
     suite = build_chat_suite(cfg, codec.tokenizer)
-    p = cfg.prompt
-    texts = {name: getattr(p, name) for name in ("summary_instruction", "resume_prefix", "resume_suffix") if getattr(p, name) is not None}
+    texts = chat_compaction_texts(cfg)
     for split in ("train", "dev"):
         try:
             tasks = list(suite.tasks(split))

@@ -118,7 +118,44 @@ def episode_stats(episodes: Sequence[EpisodeSummary]) -> dict:
     }
 
 
-class CompactionCollector:
+class EpisodeStream:
+    """What every crl collector shares: a rank's episode counter, its task order and ids, and the TorchRL
+    collector surface over them (iterate for batches; ``state_dict`` / ``load_state_dict`` resume with the same
+    episode ids and task order). :class:`CompactionCollector` and ``crl.torchrl_llm.ChatCollector`` derive from it,
+    so both draw the same tasks for the same seeds.
+
+    Subclasses set ``tasks``, ``rank``, ``world_size``, ``seed`` (the task order), ``tasks_in_order``, ``group_size``,
+    ``total_batches`` (-1: endless), ``episodes_started``, ``batches_yielded`` and define ``collect()``.
+    """
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        while self.total_batches < 0 or self.batches_yielded < self.total_batches:
+            yield self.collect()
+
+    def state_dict(self) -> dict:
+        return {"episodes_started": self.episodes_started, "batches_yielded": self.batches_yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.episodes_started = int(state["episodes_started"])
+        self.batches_yielded = int(state["batches_yielded"])
+
+    def _rollout_id(self, n: int) -> int:
+        """This rank's episode ``n``: ``rank + world_size * n``, unique across ranks without communication."""
+        return self.rank + self.world_size * n
+
+    def _next_task(self, n: int):
+        if self.tasks_in_order:  # by global episode id: ranks play disjoint tasks
+            return self.tasks[self._rollout_id(n) % len(self.tasks)]
+        if self.group_size > 1:  # G consecutive episodes share one draw
+            return random.Random(f"{self.seed}|{self.rank}|group|{n // self.group_size}").choice(self.tasks)
+        return random.Random(f"{self.seed}|{self.rank}|{n}").choice(self.tasks)
+
+    def _group_id(self, n: int) -> int:
+        """The rollout id of the first episode of episode ``n``'s group (unique across ranks, like rollout ids)."""
+        return self._rollout_id(n - n % self.group_size)
+
+
+class CompactionCollector(EpisodeStream):
     """Collect batches of compacted episodes.
 
     Args:
@@ -203,37 +240,15 @@ class CompactionCollector:
         self.abandoned_env_threads = 0  # timed-out env calls whose daemon thread was left behind
 
     # ------------------------------------------------------------------ TorchRL-collector surface
-    def __iter__(self) -> Iterator[TensorDict]:
-        while self.total_batches < 0 or self.batches_yielded < self.total_batches:
-            yield self.collect()
-
     def update_policy_weights_(self, state_dict: dict | None = None) -> None:
         """Give the policy backend new weights (no-op when it shares the trainer's module and none are given)."""
         if state_dict is not None:
             self.backend.load_state_dict(state_dict)
 
-    def state_dict(self) -> dict:
-        return {"episodes_started": self.episodes_started, "batches_yielded": self.batches_yielded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.episodes_started = int(state["episodes_started"])
-        self.batches_yielded = int(state["batches_yielded"])
-
     def shutdown(self) -> None:
         """Nothing to release: timed environment calls run in daemon threads that never block exit."""
 
     # ------------------------------------------------------------------ one batch
-    def _next_task(self, n: int):
-        if self.tasks_in_order:  # by global episode id: ranks play disjoint tasks
-            return self.tasks[(self.rank + self.world_size * n) % len(self.tasks)]
-        if self.group_size > 1:  # G consecutive episodes share one draw
-            return random.Random(f"{self.seed}|{self.rank}|group|{n // self.group_size}").choice(self.tasks)
-        return random.Random(f"{self.seed}|{self.rank}|{n}").choice(self.tasks)
-
-    def _group_id(self, n: int) -> int:
-        """The rollout id of the first episode of episode ``n``'s group (unique across ranks, like rollout ids)."""
-        return self.rank + self.world_size * (n - n % self.group_size)
-
     def _call_env(self, fn, *args, what: str):
         """``fn(*args)``, within ``step_timeout`` seconds when one is set.
 
@@ -288,7 +303,7 @@ class CompactionCollector:
             n = self.episodes_started
             self.episodes_started += 1
             task = self._next_task(n)
-            ep = _Live(self.rank + self.world_size * n, task, self.suite.make_env(task), None, self._group_id(n))
+            ep = _Live(self._rollout_id(n), task, self.suite.make_env(task), None, self._group_id(n))
             try:
                 ep.ctx = self.engine.start(self._reset_env(ep.env))
                 live.append(ep)

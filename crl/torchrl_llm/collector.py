@@ -21,7 +21,6 @@ its episode as FAILED (counted, logged, no rows); the batch goes on.
 from __future__ import annotations
 
 import functools
-import random
 import time
 import warnings
 
@@ -29,7 +28,7 @@ import torch
 from tensordict import TensorDict, set_list_to_stack
 from tqdm.auto import tqdm
 
-from crl.collectors.compaction_collector import EpisodeSummary
+from crl.collectors.compaction_collector import EpisodeStream, EpisodeSummary
 from crl.compaction import CompactionConfig
 from crl.episode import EpisodeStatus, concat_episodes, validate_episodes
 from crl.modules.generation import stream_seed
@@ -51,7 +50,7 @@ def check_chat_suite(suite, source: str = "env.factory") -> None:
         )
 
 
-class ChatCollector:
+class ChatCollector(EpisodeStream):
     """Collect batches of compacted TorchRL chat episodes (see the module docstring).
 
     Args:
@@ -76,10 +75,10 @@ class ChatCollector:
             raise ValueError(f"split {split!r} of {type(suite).__name__} has no tasks")
         self.backend, self.lm, self.tokenizer, self.config = backend, backend.model, tokenizer, compaction
         lm = self.lm
-        seed = backend.generator.initial_seed()
+        self.sampler_seed = backend.generator.initial_seed()  # the backend's stream: evaluation forks give their own
         self.texts = dict(texts or {})
-        self.episodes_per_batch, self.max_new_tokens = episodes_per_batch, max_new_tokens
-        self.seed, self.task_seed, self.rank, self.world_size = seed, task_seed, rank, world_size
+        self.episodes_per_batch, self.max_new_tokens, self.total_batches = episodes_per_batch, max_new_tokens, -1
+        self.seed, self.rank, self.world_size = task_seed, rank, world_size  # seed: the task order (EpisodeStream)
         self.tasks_in_order, self.group_size, self.progress = tasks_in_order, group_size, progress
         # top_k = the vocabulary: no top-k truncation (transformers' default is 50); the pad token is never sampled
         # (TorchRL's wrapper reads pad as padding), and the re-scoring actor excludes it the same way, so the
@@ -97,21 +96,10 @@ class ChatCollector:
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ crl collector surface
-    def __iter__(self):
-        while True:
-            yield self.collect()
-
     def update_policy_weights_(self, state_dict: dict | None = None) -> None:
         """The wrapper holds the trainer's own module: nothing to copy unless weights are given."""
         if state_dict is not None:
             self.lm.load_state_dict(state_dict)
-
-    def state_dict(self) -> dict:
-        return {"episodes_started": self.episodes_started, "batches_yielded": self.batches_yielded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.episodes_started = int(state["episodes_started"])
-        self.batches_yielded = int(state["batches_yielded"])
 
     def shutdown(self) -> None:
         """Environments are built and closed per episode."""
@@ -125,18 +113,12 @@ class ChatCollector:
     def compaction_factory(self, rollout_id: int):
         return self.make_compaction(self.tokenizer, self.config, self.max_new_tokens, self.texts, rollout_id)
 
-    def _next_task(self, n: int):
-        if self.tasks_in_order:
-            return self.tasks[(self.rank + self.world_size * n) % len(self.tasks)]
-        draw = n // self.group_size if self.group_size > 1 else n
-        return random.Random(f"{self.task_seed}|{self.rank}|{'group|' if self.group_size > 1 else ''}{draw}").choice(self.tasks)
-
     def _play(self, task, rollout_id: int, n: int):
         env = self.suite.make_env(task, self.compaction_factory(rollout_id))
         try:
             cap = (self.config.max_steps or 10_000) * 2 + 2 * self.config.max_compactions + 2  # rollout's own step cap: never reached
             with torch.random.fork_rng(devices=[]), set_list_to_stack(True):
-                torch.manual_seed(stream_seed(self.seed, "chat", self.rank, n))
+                torch.manual_seed(stream_seed(self.sampler_seed, "chat", self.rank, n))
                 reset = env.reset(TensorDict(query=[self.suite.query(task)], batch_size=(1,)))
                 with torch.no_grad():
                     rows = env.rollout(cap, self.policy, tensordict=reset, auto_reset=False, break_when_any_done=True)
@@ -156,8 +138,7 @@ class ChatCollector:
             for _ in range(self.episodes_per_batch):
                 n = self.episodes_started
                 self.episodes_started += 1
-                rid = self.rank + self.world_size * n
-                group_id = self.rank + self.world_size * (n - n % self.group_size)
+                rid, group_id = self._rollout_id(n), self._group_id(n)
                 task = self._next_task(n)
                 task_id = str(getattr(task, "task_id", task))[:80]
                 try:
