@@ -31,9 +31,11 @@ def build_suite(cfg, stage=None):
     if e.name == "memory_chain":
         n = e.length if length is None else length
         schedule = e.compaction_steps if stage is None else stage.compaction_steps  # None: derived from the length
-        return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent, seed=e.seed, extra_steps=e.extra_steps, early_submit=e.early_submit)
+        return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent, seed=e.seed, extra_steps=e.extra_steps,
+                                 early_submit=e.early_submit, invalid_command=e.invalid_command)
     n = e.n_records if length is None else length
-    return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, seed=e.seed, extra_steps=e.extra_steps, early_submit=e.early_submit)
+    return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, seed=e.seed, extra_steps=e.extra_steps,
+                                  early_submit=e.early_submit, invalid_command=e.invalid_command)
 
 
 def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_format, *, evaluation: bool = False,

@@ -86,6 +86,9 @@ class EnvConfig:
     seed: int = 0
     step_timeout_s: Optional[float] = None  # an environment step (or reset) slower than this ends its episode FAILED
     early_submit: str = "accept"  # a submit before the question: accept (verified; the shortcut) | fail (reward 0); crl/envs/base.py
+    # a command other than next / submit <answer>: observe (an error observation, one step) | fail (ends the episode,
+    # reward 0: no stalling an item past a forced compaction); crl/envs/base.py
+    invalid_command: str = "observe"
 
 
 @dataclass
@@ -147,6 +150,9 @@ class TrainConfig:
     critic_warmup_iterations: int = 2  # critic-only iterations at the start
     actor_lr: float = 1e-3
     critic_lr: float = 1e-3
+    # constant | linear: both learning rates decay linearly to 0 over train.iterations (CleanRL's anneal_lr): late
+    # updates, on a nearly converged policy, stay small (crl.trainer.Trainer.set_learning_rates)
+    lr_schedule: str = "constant"
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
@@ -260,7 +266,9 @@ CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "warm_start.summary_content": ("random", "untrained", "format"),
     "env.early_submit": ("accept", "fail"),
+    "env.invalid_command": ("observe", "fail"),
     "train.failed_episodes": ("drop", "train"),
+    "train.lr_schedule": ("constant", "linear"),
     "vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "algo.estimator": ("gae", "group"),
     "algo.group_baseline": ("mean", "leave_one_out"),
@@ -469,6 +477,13 @@ def _check_prompt_texts(p: PromptConfig) -> None:
         except ValueError as err:
             raise ConfigValidationError(f"prompt.{key}: {text!r} is not a format string ({err}); write a literal brace as {{{{ or }}}}") from None
         _need(fields == [name], f"prompt.{key}", f"must contain {{{name}}} exactly once and no other field, got {text!r}")
+
+
+def chance_success(cfg: Config) -> float | None:
+    """The success rate of a policy that ignores every observation (a uniform guess of the answer), where the
+    environment fixes it: ``1 / env.n_facts`` on the memory chain; None elsewhere. The yardstick of a learning claim
+    (``make train``'s verdict, ``scripts/sweep.py``'s chance line)."""
+    return 1 / cfg.env.n_facts if cfg.env.name == "memory_chain" else None
 
 
 def to_yaml(cfg: Config) -> str:

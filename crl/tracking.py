@@ -86,11 +86,19 @@ PANELS = [
     ("explained variance", ["critic/explained_variance"]),
     ("grad norms", ["grad_norm/actor", "grad_norm/critic"]),
     ("collector tokens/s", ["perf/collect_tokens_per_s"]),
+    # the summary channel: did the summary hold what was needed, and did episodes succeed when it did / did not?
+    ("summary channel", ["summary/holds_frac", "summary/last_holds_frac", "dev/summary_holds_frac",
+                         "train/success_given_holds", "train/success_given_not_holds"]),
+    ("policy entropy (nats / sampled token)", ["policy/entropy_summary", "policy/entropy_execution"]),
+    ("warm start reading probe (P(answer))", ["warm_start/answer_p_train", "warm_start/answer_p_visible", "warm_start/answer_p_summary"]),
 ]
+#: x-axis label of a panel whose keys are logged at other steps than iterations (default "iteration")
+PANEL_XLABELS = {"warm start reading probe (P(answer))": "warm-start step (negative: before RL)"}
 
 
 def plot_curves(jsonl: Path, png: Path) -> None:
-    """One panel per group of :data:`PANELS`, x = iteration; written atomically."""
+    """One panel per group of :data:`PANELS` (a panel with no logged value says so), x = iteration (warm-start
+    metrics at negative steps); written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,10 +115,12 @@ def plot_curves(jsonl: Path, png: Path) -> None:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, ms=3, label=key)
         ax.set_title(title)
-        ax.set_xlabel("iteration")
+        ax.set_xlabel(PANEL_XLABELS.get(title, "iteration"))
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
+        else:  # e.g. no summary judged, or no warm start: an empty panel is not a plotting failure
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes, color="gray")
     for ax in list(axes.flat)[len(PANELS):]:
         ax.axis("off")
     fig.tight_layout()

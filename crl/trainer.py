@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 
 from crl import checkpoint as ckpt_files
 from crl.builders import build_collector, build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, curriculum_stages
-from crl.collectors import CompactionCollector, episode_stats
+from crl.collectors import CompactionCollector, episode_stats, summary_channel_metrics
 from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
 from crl.evaluation import evaluate_policy, evaluation_seeds
@@ -65,7 +65,7 @@ from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeA
 from crl.objectives.distributed import all_reduce_sum
 from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 from crl.tracking import MetricLogger, plot_curves
-from crl.warm_start import warm_start, warm_start_cached
+from crl.warm_start import WarmStartError, warm_start, warm_start_cached
 
 __all__ = ["Trainer", "StalePolicyError", "make_accelerator"]
 
@@ -315,7 +315,8 @@ class Trainer:
         averaged over the ranks, so all stop at the same step). Otherwise rank 0 computes it while the other ranks
         wait (a barrier on a gloo group of its own, with no practical timeout: a warm start may outlast the process
         group's), then rank 0's weights and torch RNG state are broadcast: every rank holds the same warm-started
-        policy, whatever the hardware's non-determinism.
+        policy, whatever the hardware's non-determinism. A warm start that did not teach reading
+        (:class:`~crl.warm_start.WarmStartError`, ``warm_start.stop_answer_p``) is raised on every rank, before any RL.
 
         Demonstrations are scored under the full softmax (top_p=1): a likelihood of tokens outside a nucleus is -inf.
         With ``warm_start.cache_dir`` the result (weights, logged lines, torch RNG state) is reused from
@@ -327,13 +328,21 @@ class Trainer:
         import datetime
 
         waiting = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
-        nll = self._warm_start_here() if self.is_main else None
+        nll = failed = None
+        if self.is_main:
+            try:
+                nll = self._warm_start_here()
+            except WarmStartError as err:  # every rank must learn it, or the others wait at the barrier for days
+                failed = str(err)
         torch.distributed.barrier(group=waiting)
+        box = [nll, torch.get_rng_state(), failed]
+        torch.distributed.broadcast_object_list(box, src=0, group=waiting)
+        if box[2] is not None:
+            torch.distributed.destroy_process_group(waiting)
+            raise WarmStartError(box[2])
         with torch.no_grad():
             for t in [*self.lm.parameters(), *self.lm.buffers()]:
                 torch.distributed.broadcast(t.data, src=0)
-        box = [nll, torch.get_rng_state()]
-        torch.distributed.broadcast_object_list(box, src=0, group=waiting)
         torch.set_rng_state(box[1])
         torch.distributed.destroy_process_group(waiting)
         return box[0]
@@ -564,6 +573,19 @@ class Trainer:
             self._optimizer_step("critic", mbs)
         self._release_gathered()
 
+    def set_learning_rates(self, iteration: int) -> dict:
+        """The learning rates of ``iteration`` (0-based), set on both optimizers: ``train.actor_lr`` / ``critic_lr`` times
+        ``1 - iteration / train.iterations`` with ``train.lr_schedule=linear`` (CleanRL's ``anneal_lr``), times 1 with
+        ``constant``. A function of the iteration alone, so a resumed run continues the same schedule."""
+        t = self.cfg.train
+        frac = 1.0 - iteration / t.iterations if t.lr_schedule == "linear" else 1.0
+        rates = {"actor": t.actor_lr * frac, "critic": t.critic_lr * frac}
+        for name, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
+            if opt is not None:  # (a DeepSpeed engine's optimizer exposes the same param_groups)
+                for group in opt.param_groups:
+                    group["lr"] = rates[name]
+        return rates
+
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
         """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
         t = self.cfg.train
@@ -574,6 +596,38 @@ class Trainer:
                 self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]))
         self.policy_version += 1  # the learner's weights moved on: the sampler needs a sync_policy_weights
         self._release_gathered()
+
+    @property
+    def entropy_from_policy_loss(self) -> bool:
+        """Whether the first policy step of an iteration sees every row with the weights that sampled it, so its
+        forward gives the behaviour entropy for free: one minibatch per epoch (``train.policy_minibatches=1``; with
+        more, later minibatches see updated weights) and a critic that does not move the actor's weights
+        (``model.share_critic_backbone=false``: the critic steps come first)."""
+        return self.cfg.train.policy_minibatches == 1 and not self.cfg.model.share_critic_backbone
+
+    def record_behaviour_entropy(self, batch: TensorDict) -> None:
+        """One no-grad actor pass over ``batch`` with the weights that sampled it (call it before any update of the
+        iteration): ``step_log["entropy"][kind] = [Σ H_t, n]`` over this rank's optimized tokens of each segment kind,
+        ``H_t`` the entropy (nats) of the sampling distribution (temperature, top-p) at token ``t``.
+
+        Used when no policy step records it (critic warm-up iterations, :attr:`entropy_from_policy_loss` false).
+        Every rank calls it with the same number of forward calls as :meth:`compute_advantages`'s critic pass
+        (prefix sharing agrees on the chunk count; the naive learner makes ``train.micro_batches`` calls), as DDP
+        and ZeRO-3 need, even with no row."""
+        S = batch.batch_size[0]
+        with torch.no_grad():
+            if self.cfg.learner.prefix_sharing:
+                ent = self.actor(batch.select(*self.actor.in_keys).clone())["entropy"]
+            else:
+                ent = torch.cat([self.actor(mb.select(*MODEL_IN_KEYS).clone())["entropy"] for mb in self.split(batch)])
+        self._release_gathered()
+        ent, mask = ent[:S].to(torch.float64), batch["loss_mask"].bool()
+        kind = batch["segment_kind"].unsqueeze(-1)
+        self.step_log["entropy"] = {
+            name: [float(torch.where(mask & (kind == int(k)), ent, 0.0).sum()), int((mask & (kind == int(k))).sum())]
+            for name, k in (("execution", SegmentKind.EXECUTION), ("summary", SegmentKind.SUMMARY))
+        }
+        self.step_log["entropy_pass"] = True  # one more pass over the batch (perf/learner_tokens_per_s)
 
     def sync_policy_weights(self) -> None:
         """Give the sampler the learner's current weights (version ``policy_version``).
@@ -626,7 +680,14 @@ class Trainer:
                                  progress=self.is_main and self.cfg.logging.progress)
         self._finish_generation()
         stats = reduce_stats(counts, self.device)
+        self.last_eval_stats = stats
         return stats["success"] / max(stats["episodes"], 1)
+
+    def dev_summary_metrics(self) -> dict:
+        """``dev/summary_holds_frac`` of the last :meth:`evaluate` (summaries holding / summaries judged by the
+        environment's ``summary_holds``, all ranks); empty when none was judged."""
+        rates = summary_channel_metrics(self.last_eval_stats)
+        return {"dev/summary_holds_frac": rates["holds_frac"]} if "holds_frac" in rates else {}
 
     def stage_description(self) -> str:
         """``length L`` (and ``compactions after [a, b]`` when forced) of the current stage, read off its collector."""
@@ -675,6 +736,10 @@ class Trainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
         log = self.step_log
+        if name == "actor" and "entropy" not in log and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
+            # the iteration's first policy step: every row, forwarded with the weights that sampled it
+            log["entropy"] = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
+                              for kind in ("execution", "summary")}
         log["grad_norms"][name].append(gn)
         log["normalizers"][name].append(dataclasses.asdict(norm))
         for out in outs:
@@ -682,7 +747,8 @@ class Trainer:
                 log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
 
     def _reset_step_log(self) -> None:
-        """``step_log``: the grad norms, normalizers and loss metrics of the optimizer steps since the reset."""
+        """``step_log``: the grad norms, normalizers and loss metrics of the optimizer steps since the reset (and, once
+        recorded, ``entropy``: the behaviour entropy sums of :meth:`record_behaviour_entropy` or the first policy step)."""
         self.step_log = {"grad_norms": {"actor": [], "critic": []}, "normalizers": {"actor": [], "critic": []}, "metrics": {}}
 
     def _finish_generation(self) -> None:
@@ -705,7 +771,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ metrics
     def iteration_metrics(self, batch: TensorDict, t0: float) -> dict:
-        """Episode outcomes, token counts per segment kind and the mean of every loss metric of this iteration."""
+        """Episode outcomes, token counts per segment kind, the summary channel (the environment's verdicts on the
+        summaries: :func:`crl.collectors.summary_channel_metrics`; the behaviour policy's entropy per optimized token
+        of each kind, ``step_log["entropy"]`` summed over ranks) and the mean of every loss metric of this iteration."""
         stats = self.last_episode_stats
         n_ep = max(stats["episodes"], 1)
         optimized = batch["loss_mask"]
@@ -736,9 +804,18 @@ class Trainer:
         for name in ("actor", "critic"):
             if self.step_log["grad_norms"][name]:
                 log[f"grad_norm/{name}"] = float(np.mean(self.step_log["grad_norms"][name]))
+        names = {"holds_frac": "summary/holds_frac", "last_holds_frac": "summary/last_holds_frac",
+                 "success_given_holds": "train/success_given_holds", "success_given_not_holds": "train/success_given_not_holds"}
+        log.update({names[k]: v for k, v in summary_channel_metrics(stats).items()})
+        ent = self.step_log.get("entropy", {})
+        sums = all_reduce_sum(torch.tensor([x for kind in ("execution", "summary") for x in ent.get(kind, (0.0, 0))], dtype=torch.float64, device=self.device))
+        for i, kind in enumerate(("execution", "summary")):
+            if sums[2 * i + 1] > 0:  # no optimized token of the kind (frozen summaries, a skipped update): no value
+                log[f"policy/entropy_{kind}"] = float(sums[2 * i] / sums[2 * i + 1])
         log.update(self.learner_metrics(batch))
-        if "learner_s" in self.step_log:  # passes over the batch: the values, each critic step, each policy epoch
-            passes = 1 + len(self.step_log["grad_norms"]["critic"]) + (self.cfg.train.policy_epochs if self.step_log["grad_norms"]["actor"] else 0)
+        if "learner_s" in self.step_log:  # passes over the batch: the values, the entropy pass, each critic step, each policy epoch
+            passes = (1 + int(self.step_log.get("entropy_pass", False)) + len(self.step_log["grad_norms"]["critic"])
+                      + (self.cfg.train.policy_epochs if self.step_log["grad_norms"]["actor"] else 0))
             log["perf/learner_tokens_per_s"] = passes * log["perf/learner_tokens"] / max(self.step_log["learner_s"], 1e-9)
         peak = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
         low = peak.clone()
@@ -857,12 +934,15 @@ class Trainer:
         try:
             if self.start_iteration == 0 and cfg.eval.every >= 0:
                 dev = self.evaluate()
-                self.logger.log({"dev/success": dev, "dev/success_stage": self.evaluate(stages[self.stage]) if len(stages) > 1 else dev, "curriculum/stage": self.stage}, step=0)
+                holds = self.dev_summary_metrics()
+                self.logger.log({"dev/success": dev, **holds, "dev/success_stage": self.evaluate(stages[self.stage]) if len(stages) > 1 else dev,
+                                 "curriculum/stage": self.stage}, step=0)
             bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", initial=self.start_iteration,
                        total=cfg.train.iterations, disable=not (self.is_main and cfg.logging.progress))
             for it in bar:
                 t0 = time.perf_counter()
                 self._reset_step_log()
+                rates = self.set_learning_rates(it)
                 rollout = self.collect()
                 t_learn = time.perf_counter()
                 batch = self.compute_advantages(rollout)
@@ -872,16 +952,20 @@ class Trainer:
                         tqdm.write(f"iteration {it + 1}: all {int(self.last_episode_stats['episodes'])} episodes failed "
                                    f"(environment errors or timeouts; train.failed_episodes=drop): no update this iteration")
                 else:
+                    policy_update = it >= cfg.train.critic_warmup_iterations
+                    if not (policy_update and self.entropy_from_policy_loss):  # else the policy loss's first step records it
+                        self.record_behaviour_entropy(batch)
                     self.update_critic(batch)
-                    if it >= cfg.train.critic_warmup_iterations:
+                    if policy_update:
                         self.update_policy(batch, it)
                     self.sync_policy_weights()
                 self.step_log["learner_s"] = time.perf_counter() - t_learn
 
-                log = self.iteration_metrics(batch, t0)
+                log = {**self.iteration_metrics(batch, t0), "train/actor_lr": rates["actor"]}
                 last = it == cfg.train.iterations - 1
                 if (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or last:
                     log["dev/success"] = self.evaluate()
+                    log.update(self.dev_summary_metrics())
                     if len(stages) > 1:
                         log["dev/success_stage"] = self.evaluate(stages[self.stage])
                 self.logger.log(log, step=it + 1)
@@ -900,13 +984,38 @@ class Trainer:
             raise
         self.close()
 
+    def verdict(self) -> str | None:
+        """One line on whether the run learned, read from ``metrics.jsonl`` (so a resumed run is judged whole): dev
+        success at the first and the last evaluation, against the success of a uniform guess
+        (:func:`crl.config.chance_success`, when the environment fixes it). "learned" means the last evaluation is
+        more than 3 binomial standard errors of a chance-level policy above chance (``eval.episodes`` episodes:
+        chance 0.25 on 60 episodes needs > 0.418); the claim is about this run only — one seed. None: no evaluation."""
+        from crl.config import chance_success
+        from crl.tracking import read_records
+
+        dev = [(r["step"], r["dev/success"]) for r in read_records(self.run_dir / "metrics.jsonl") if "dev/success" in r]
+        if not dev:
+            return None
+        (first_it, first), (last_it, last) = dev[0], dev[-1]
+        line = f"verdict: dev success {first:.3f} (iteration {first_it}) -> {last:.3f} (iteration {last_it}) on {self.cfg.eval.episodes} episodes"
+        chance = chance_success(self.cfg)
+        if chance is None:
+            return line + " (no chance level known for this environment)"
+        bar = chance + 3 * math.sqrt(chance * (1 - chance) / self.cfg.eval.episodes)
+        learned = "LEARNED" if last > bar else "NOT LEARNED"
+        return line + f"; chance {chance:.3f}: {learned} (above chance means > {bar:.3f}: 3 standard errors)"
+
     def close(self) -> None:
-        """Wait for every rank, draw the curves, finish wandb and the accelerator, release the run directory."""
+        """Wait for every rank, draw the curves, print the :meth:`verdict`, finish wandb and the accelerator, release the
+        run directory."""
         try:
             self.accelerator.wait_for_everyone()
             if self.is_main and self.logger is not None and (self.run_dir / "metrics.jsonl").is_file():  # nothing logged: no curves
                 plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
                 print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, checkpoints/, evidence/)")
+                verdict = self.verdict()
+                if verdict is not None:
+                    print(verdict)
             if self.logger is not None:
                 self.logger.close()
             self.accelerator.end_training()

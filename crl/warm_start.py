@@ -49,6 +49,10 @@ FORMAT_SET_DRAWS = 32
 SUMMARY_CONTENT = ("random", "untrained", "format")
 
 
+class WarmStartError(RuntimeError):
+    """The warm start ended without teaching what RL cannot: the reading probe stayed below ``stop_answer_p``."""
+
+
 def oracle_summary_ids(env, ctx, encode, eos_id: int) -> list[int]:
     """The environment's correct summary as token ids, cut to the context's summary budget, closed by ``eos_id``."""
     return list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id]
@@ -191,6 +195,9 @@ def warm_start(
     the warm start stops as soon as it reaches ``stop_answer_p`` (``steps`` is then the maximum). Why: reading is
     learned in a sudden drop of the NLL (from ~0.08, the answer digit at chance, to ~0.003) that came after
     ~420, ~520 and > 600 steps on the study's seeds 7, 17 and 29 at lr 1e-3 — a fixed step count fits one seed.
+    If the probe has not reached ``stop_answer_p`` after ``steps`` steps, :class:`WarmStartError` is raised (after
+    the final log line, which holds the probe): RL on a policy that cannot read a correct summary cannot credit a
+    summary either (crediting a summary needs an answer that depends on it), so the run must stop, not train.
     ``agree``: maps this process's probe value to the one every process decides on (the mean over the ranks when
     several take part in one warm start, as under ZeRO-3): ranks that stopped at different steps would deadlock
     in the next collective.
@@ -232,11 +239,20 @@ def warm_start(
             break
     if opt is not None:
         opt.zero_grad(set_to_none=True)
-    if log is not None and steps > 0:  # the last stage's two engines: without and with compaction
-        (suite, _), (plain, compacting) = stages[-1], engines[-1]
-        log({"warm_start/nll": loss.item(), **({"warm_start/steps": step + 1} if stop_answer_p is not None else {}),
+    (suite, _), (plain, compacting) = stages[-1], engines[-1]  # the last stage's two engines: without and with compaction
+    final = {}
+    if stop_answer_p is not None and steps > 0 and not stop:  # the step limit: the rule's probe once more, on the last weights
+        p = answer_probability(actor_module, suite, compacting, encode, eos_id, device=device, split="train")
+        final["warm_start/answer_p_train"] = agree(p) if agree is not None else p
+    if log is not None and steps > 0:
+        log({"warm_start/nll": loss.item(), **({"warm_start/steps": step + 1} if stop_answer_p is not None else {}), **final,
              "warm_start/answer_p_visible": answer_probability(actor_module, suite, plain, encode, eos_id, device=device),
              "warm_start/answer_p_summary": answer_probability(actor_module, suite, compacting, encode, eos_id, device=device)}, -1)
+    if final and final["warm_start/answer_p_train"] < stop_answer_p:
+        raise WarmStartError(
+            f"the warm start did not teach reading: after {steps} steps (warm_start.steps) the answer probe is "
+            f"{final['warm_start/answer_p_train']:.3f} < warm_start.stop_answer_p={stop_answer_p} (chance: 1/answers), so RL could not "
+            f"credit a summary; raise warm_start.steps, or change warm_start.lr (now {lr}) / warm_start.batch_episodes, or try another train.seed")
     return float(loss.detach())
 
 

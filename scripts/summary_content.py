@@ -5,7 +5,9 @@
 
 For each run, from ``evidence/iter_N/rank_*/rollout.pt`` (default: the newest evidence iteration): the episodes'
 success, how many summaries (the policy's own, ``loss_mask`` on a SUMMARY segment) hold the number ``c`` (as ``code c``,
-``submit c``, ...: a policy may choose its own wording) with ``c`` the episode's fact (read from its own ``fact : the code is c`` observation), how many episodes' *last* summary does,
+``submit c``, ...: a policy may choose its own wording; :func:`crl.envs.memory_chain.summary_has_fact`, the definition
+the trainer's ``summary/holds_frac`` uses) with ``c`` the episode's fact (read from its own ``fact : the code is c``
+observation), how many episodes' *last* summary does,
 and how many episodes contain an action that is neither ``next`` nor ``submit d`` (an invalid command: it still
 counts as an atomic step, so a policy can use such steps to delay the fact past a forced compaction). Frozen
 summaries (the frozen arm) are not the policy's and are not counted. ``failures``: how the failed episodes ended —
@@ -42,6 +44,7 @@ def optimized_spans(tokens, mask, decode) -> list[str]:
 
 
 def summary_content(run_dir: Path, iteration: int | None = None) -> dict:
+    from crl.envs.memory_chain import summary_has_fact
     from crl.episode import SegmentKind, concat_episodes, load_episodes
     from crl.modules.tokenizer import load_tokenizer
 
@@ -65,7 +68,7 @@ def summary_content(run_dir: Path, iteration: int | None = None) -> dict:
             kind = SegmentKind(int(rows["segment_kind"][i]))
             (summaries if kind == SegmentKind.SUMMARY else actions).extend(optimized_spans(t, m, tok.decode))
         fact = re.search(r"the code is (\d+)", " ".join(texts))
-        holds = [bool(fact) and re.search(rf"\b{fact.group(1)}\b", s) is not None for s in summaries]  # "code c", "submit c", ...
+        holds = [bool(fact) and summary_has_fact(s, fact.group(1)) for s in summaries]  # "code c", "submit c", ...
         counts["episodes"] += 1
         counts["successes"] += float(rows["reward"][0]) > 0
         counts["summaries"] += len(summaries)

@@ -30,7 +30,10 @@ def main(argv=None) -> None:
         _user_error(args, f"config error: {err}")
     except Exception as err:
         from crl.run_dir import RunDirError
+        from crl.warm_start import WarmStartError
 
+        if isinstance(err, WarmStartError):  # ends the run before any RL iteration: one line, the probe and what to change
+            _user_error(args, f"warm start failed: {err}")
         if not isinstance(err, (RunDirError, OSError)):
             raise  # a bug, not a user error: the traceback is the report
         _user_error(args, f"error: {err}")

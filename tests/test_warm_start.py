@@ -1,4 +1,5 @@
 """Warm start: demonstrations teach protocol and summary format, never a summary's correct content."""
+import contextlib
 import dataclasses
 import math
 import random
@@ -13,7 +14,7 @@ from crl.episode import Provenance
 from crl.modules.models import CausalLMLogProbs, build_causal_lm
 from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
-from crl.warm_start import demonstration_batch, warm_start
+from crl.warm_start import WarmStartError, demonstration_batch, warm_start
 
 TOK = load_tokenizer()
 EOS_ID = TOK.convert_tokens_to_ids(EOS)
@@ -163,18 +164,21 @@ def test_format_warm_start_puts_a_code_in_the_summary_without_choosing_it():
 
 def test_stopping_rule_ends_the_warm_start_when_the_probe_reads():
     """``stop_answer_p`` probes every ``probe_every`` steps (train tasks) and stops at the first probe that reaches
-    it; a threshold of 1e-9 stops at the first probe, an unreachable one (1.0) runs every step."""
+    it; a threshold of 1e-9 stops at the first probe. An unreachable one (1.0) runs every step, probes once more on
+    the last weights, logs that probe in the final line and raises :class:`WarmStartError` naming the probe and the keys
+    to change: RL never starts on a policy that cannot read."""
     runs = {}
     for threshold in (1e-9, 1.0):
         lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
         actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
         logged = []
-        warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=12, batch_episodes=2, lr=3e-3, seed=0, progress=False,
-                   stop_answer_p=threshold, probe_every=5, log=lambda m, step: logged.append((step, m)))
+        with pytest.raises(WarmStartError, match=r"after 12 steps .* answer probe is 0\.\d+ < warm_start\.stop_answer_p=1\.0") if threshold == 1.0 else contextlib.nullcontext():
+            warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=12, batch_episodes=2, lr=3e-3, seed=0, progress=False,
+                       stop_answer_p=threshold, probe_every=5, log=lambda m, step: logged.append((step, m)))
         runs[threshold] = logged
     first = runs[1e-9]
     assert [s for s, m in first if "warm_start/answer_p_train" in m] == [4 - 12]
     assert first[-1][1]["warm_start/steps"] == 5
     full = runs[1.0]
-    assert [s for s, m in full if "warm_start/answer_p_train" in m] == [4 - 12, 9 - 12]
+    assert [s for s, m in full if "warm_start/answer_p_train" in m] == [4 - 12, 9 - 12, -1]
     assert full[-1][1]["warm_start/steps"] == 12 and 0 < full[-1][1]["warm_start/answer_p_summary"] < 1

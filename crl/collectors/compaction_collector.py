@@ -13,6 +13,12 @@ from a second backend holding a frozen copy of the initial policy; those tokens 
 
 Rollout ids are ``rank + world_size * n`` with ``n`` this rank's episode counter: unique across batches and
 data-parallel ranks without communication.
+
+Summary diagnostics: after applying a summary the collector asks the environment whether it holds what the rest of
+the episode needs (``env.summary_holds(text)``, :meth:`crl.envs.base.TextEnv.summary_holds`; an environment without
+the method is never judged) on the decoded summary without its stop token, and counts the verdicts per episode
+(:class:`EpisodeSummary`). Frozen summaries (frozen-summary mode) are judged and counted like the policy's: the
+question "did the summary carry the fact?" is the same whoever wrote it, and comparing the two arms needs it.
 """
 from __future__ import annotations
 
@@ -86,11 +92,19 @@ class _Live:
     ctx: EpisodeContext
     group_id: int = -1
     info: dict = field(default_factory=dict)
+    summaries_judged: int = 0
+    summaries_holding: int = 0
+    last_summary_holds: bool | None = None
 
 
 @dataclass
 class EpisodeSummary:
-    """Per-episode statistics of the last batch (for logging; the TensorDict holds the training data)."""
+    """Per-episode statistics of the last batch (for logging; the TensorDict holds the training data).
+
+    ``summaries_judged``: summaries the environment's ``summary_holds`` judged (True or False; ``None`` verdicts and
+    environments without the hook are not counted); ``summaries_holding``: those judged True;
+    ``last_summary_holds``: the verdict on the episode's last judged summary (``None``: none was judged).
+    """
 
     rollout_id: int
     task_id: str
@@ -100,11 +114,18 @@ class EpisodeSummary:
     n_compactions: int
     n_segments: int
     error: str | None = None
+    summaries_judged: int = 0
+    summaries_holding: int = 0
+    last_summary_holds: bool | None = None
 
 
 def episode_stats(episodes: Sequence[EpisodeSummary]) -> dict:
     """Counts over one rank's episodes (summed over ranks by the caller): episodes, successes (reward > 0), reward,
-    completed / truncated / failed, compactions, segments, steps."""
+    completed / truncated / failed, compactions, segments, steps; and the summary verdicts (:class:`EpisodeSummary`):
+    ``summaries_judged`` / ``summaries_holding`` (summaries), ``episodes_judged`` (episodes with a judged summary),
+    ``last_holds`` (episodes whose last judged summary holds), ``success_last_holds`` / ``success_last_not_holds``
+    (successes among the episodes whose last judged summary holds / does not)."""
+    judged = [e for e in episodes if e.last_summary_holds is not None]
     return {
         "episodes": len(episodes),
         "success": sum(e.reward > 0 for e in episodes),
@@ -115,7 +136,33 @@ def episode_stats(episodes: Sequence[EpisodeSummary]) -> dict:
         "compactions": sum(e.n_compactions for e in episodes),
         "segments": sum(e.n_segments for e in episodes),
         "steps": sum(e.n_steps for e in episodes),
+        "summaries_judged": sum(e.summaries_judged for e in episodes),
+        "summaries_holding": sum(e.summaries_holding for e in episodes),
+        "episodes_judged": len(judged),
+        "last_holds": sum(e.last_summary_holds for e in judged),
+        "success_last_holds": sum(e.reward > 0 for e in judged if e.last_summary_holds),
+        "success_last_not_holds": sum(e.reward > 0 for e in judged if not e.last_summary_holds),
     }
+
+
+def summary_channel_metrics(stats: dict) -> dict:
+    """Rates of the summary verdict counts of :func:`episode_stats` (summed over ranks), each omitted when its
+    denominator is 0 (nothing judged: no NaN in the logs):
+
+    * ``holds_frac`` = summaries_holding / summaries_judged;
+    * ``last_holds_frac`` = last_holds / episodes_judged;
+    * ``success_given_holds`` = success_last_holds / last_holds;
+    * ``success_given_not_holds`` = success_last_not_holds / (episodes_judged - last_holds).
+    """
+    out = {}
+    not_holds = stats.get("episodes_judged", 0) - stats.get("last_holds", 0)
+    for name, num, den in (("holds_frac", stats.get("summaries_holding"), stats.get("summaries_judged", 0)),
+                           ("last_holds_frac", stats.get("last_holds"), stats.get("episodes_judged", 0)),
+                           ("success_given_holds", stats.get("success_last_holds"), stats.get("last_holds", 0)),
+                           ("success_given_not_holds", stats.get("success_last_not_holds"), not_holds)):
+        if den > 0:
+            out[name] = num / den
+    return out
 
 
 class EpisodeStream:
@@ -291,6 +338,23 @@ class CompactionCollector(EpisodeStream):
         """One environment step, timed and checked: raises EnvStepTimeout / EnvOutputError / the env's error."""
         return check_step_result(self._call_env(env.step, action, what="step"))
 
+    def _judge_summary(self, ep: _Live, gen) -> None:
+        """Count the environment's verdict (``env.summary_holds``, timed like a step) on the summary ``gen`` just
+        applied to ``ep``: its decoded text without the stop token. Raises :class:`EnvOutputError` on a verdict
+        that is not ``bool`` / ``None``, and whatever the hook raises."""
+        hook = getattr(ep.env, "summary_holds", None)
+        if hook is None:
+            return
+        ids = gen.token_ids[:-1] if gen.stopped else gen.token_ids
+        verdict = self._call_env(hook, self.decode(ids), what="summary_holds")
+        if verdict is None:
+            return
+        if not isinstance(verdict, bool):
+            raise EnvOutputError(f"summary_holds() returned {_short(verdict)} ({type(verdict).__name__}); expected True, False or None")
+        ep.summaries_judged += 1
+        ep.summaries_holding += verdict
+        ep.last_summary_holds = verdict
+
     def collect(self) -> TensorDict:
         """Play ``episodes_per_batch`` episodes to the end and return their validated segment rows."""
         t0 = time.perf_counter()
@@ -335,14 +399,18 @@ class CompactionCollector(EpisodeStream):
                 if frozen_rows
                 else []
             )
-            for ep, gen in zip(frozen_rows, frozen_gens):
-                ep.ctx.apply_summary(gen.token_ids, gen.log_probs, frozen=True)
-                generated["summary"] += len(gen.token_ids)
             finished = []
+            summaries = [(ep, gen, True) for ep, gen in zip(frozen_rows, frozen_gens)] + [(ep, gen, False) for (ep, is_sum), gen in zip(rows, gens) if is_sum]
+            for ep, gen, frozen in summaries:
+                ep.ctx.apply_summary(gen.token_ids, gen.log_probs, frozen=frozen)
+                generated["summary"] += len(gen.token_ids)
+                try:
+                    self._judge_summary(ep, gen)
+                except Exception as err:  # a broken hook is an environment error: this episode fails, the batch goes on
+                    ep.info["error"] = f"summary_holds: {type(err).__name__}: {err}"
+                    finished.append((ep, EpisodeStatus.FAILED, 0.0))
             for (ep, is_sum), gen in zip(rows, gens):
                 if is_sum:
-                    ep.ctx.apply_summary(gen.token_ids, gen.log_probs)
-                    generated["summary"] += len(gen.token_ids)
                     continue
                 generated["action"] += len(gen.token_ids)
                 ids = gen.token_ids[:-1] if gen.stopped else gen.token_ids
@@ -374,7 +442,8 @@ class CompactionCollector(EpisodeStream):
             td["group_id"] = torch.full((td.batch_size[0],), ep.group_id, dtype=torch.int64)
             rows_td.append(td)
             self.last_episodes.append(
-                EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"))
+                EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"),
+                               ep.summaries_judged, ep.summaries_holding, ep.last_summary_holds)
             )
         batch = concat_episodes(rows_td)
         validate_episodes(batch)

@@ -14,7 +14,14 @@ then ``submit <answer>``, checked by an exact terminal verifier. The protocol:
   observation :data:`EARLY_SUBMIT_FAILED`); the episode is *completed* (the verifier's score is 0), not truncated.
   With ``fail`` the answer counts only after the whole stream and the question, when (with forced compaction)
   the early items survive only through the agent's summaries.
-* Anything else is answered with an ``error : …`` observation and costs a step; it never ends the episode.
+* Anything else is answered with an ``error : …`` observation and costs a step; by default it never ends the
+  episode. ``invalid_command`` (an environment option, :data:`INVALID_COMMAND`): ``observe`` (default) as just said;
+  ``fail``: an invalid command (also ``submit`` without an answer) ends the episode with reward 0 (``done=True``,
+  ``info["invalid"]=True``, ``info["correct"]=False``, observation :data:`INVALID_COMMAND_FAILED`; COMPLETED, not
+  truncated). Why: forced compactions count atomic steps, and an invalid command is one, so a policy that stalls
+  before revealing an item shifts it past a forced compaction into the kept recent steps — a way around the summary
+  (docs/lm_study.md). With ``fail`` (and ``early_submit: fail``) the only rewarded episode is ``next`` through the
+  question, then the answer: every item sits exactly where the forced schedule puts it.
 * Every command costs one step. When the step that reaches ``max_steps`` does not end the episode, the episode
   ends as truncated: ``done=True``, ``reward=0.0``, ``info["truncated"]=True``.
 
@@ -30,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -41,11 +49,14 @@ __all__ = [
     "MISSING_ANSWER",
     "EARLY_SUBMIT",
     "EARLY_SUBMIT_FAILED",
+    "INVALID_COMMAND",
+    "INVALID_COMMAND_FAILED",
     "Task",
     "StepResult",
     "TextEnv",
     "TaskSuite",
     "seeded_rng",
+    "mentions_number",
 ]
 
 SPLITS = ("train", "dev", "test")
@@ -55,6 +66,8 @@ UNKNOWN_COMMAND = "error : unknown command . use next or submit followed by the 
 MISSING_ANSWER = "error : submit needs an answer"
 EARLY_SUBMIT = ("accept", "fail")  # what a submit before the question does (module docstring)
 EARLY_SUBMIT_FAILED = "submitted before the question"
+INVALID_COMMAND = ("observe", "fail")  # what a command other than next / submit <answer> does (module docstring)
+INVALID_COMMAND_FAILED = "error : unknown command"  # the episode ends here (every word in the plain tokenizer)
 
 
 @dataclass(frozen=True)
@@ -93,11 +106,19 @@ class StepResult:
     info: dict
 
 
+def mentions_number(text: str, value: int | str) -> bool:
+    """Whether ``text`` holds the integer ``value`` as a whole number: not part of a longer number or word and with
+    its own sign (``3`` is in ``code 3``, ``submit 3``, ``x=3.``, not in ``13``, ``3.5``, ``-3`` or ``x3``)."""
+    v = int(value)
+    return re.search(rf"(?<![\w.-]){'-' if v < 0 else ''}{abs(v)}(?![\w]|\.\d)", text) is not None
+
+
 class TextEnv:
     """One episode of a console task at a time: ``reset() -> prompt``, then ``step(action) -> StepResult``.
 
-    Subclasses say what a correct summary of the revealed items is (:meth:`oracle_summary`) and what a summary
-    with the right format but random content looks like (:meth:`format_only_summary`).
+    Subclasses say what a correct summary of the revealed items is (:meth:`oracle_summary`), what a summary
+    with the right format but random content looks like (:meth:`format_only_summary`) and whether a summary the
+    policy wrote holds what the rest of the episode needs (:meth:`summary_holds`, a diagnostic only).
     """
 
     #: Forced compaction schedule (atomic step numbers after which to compact); empty: capacity trigger only.
@@ -105,12 +126,14 @@ class TextEnv:
     #: Atomic steps kept verbatim after a compaction (k of docs/design.md §1, Eq. 9).
     keep_recent: int = 2
 
-    def __init__(self, task: Task, max_steps: int, early_submit: str = "accept"):
+    def __init__(self, task: Task, max_steps: int, early_submit: str = "accept", invalid_command: str = "observe"):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-        _check_early_submit(early_submit)
+        _check_option("early_submit", early_submit, EARLY_SUBMIT)
+        _check_option("invalid_command", invalid_command, INVALID_COMMAND)
         self.task = task
         self.early_submit = early_submit
+        self.invalid_command = invalid_command
         self.max_steps = max_steps
         self.steps = 0
         self.n_revealed = 0  # items shown so far
@@ -152,6 +175,10 @@ class TextEnv:
         else:
             info["invalid"] = True
             observation = UNKNOWN_COMMAND
+        if info["invalid"] and self.invalid_command == "fail":
+            info["correct"] = False
+            done, reward = True, 0.0
+            observation = INVALID_COMMAND_FAILED
         if not done and self.steps >= self.max_steps:
             done = True
             info["truncated"] = True
@@ -177,6 +204,21 @@ class TextEnv:
         """A summary in the format of :meth:`oracle_summary` whose content is random (teaches format only)."""
         raise NotImplementedError
 
+    def summary_holds(self, summary_text: str) -> bool | None:
+        """Does ``summary_text``, written *now* (after the items revealed so far), hold what the rest of the episode
+        needs? ``True`` / ``False``, or ``None``: this environment cannot tell (the default), or nothing revealed so
+        far is needed yet.
+
+        A diagnostic, never a reward: the collector calls it on the decoded text (without the stop token) of every
+        summary it applies and logs how often summaries hold (``summary/holds_frac``) and the success rate of
+        episodes whose last judged summary holds or not (docs/training.md), so a flat learning curve tells a
+        summary that lost the needed content from a policy that fails to read it. The policy chooses its own
+        wording: judge the content (e.g. the needed number as a whole word), not the format of
+        :meth:`oracle_summary`. Must be fast and side-effect free; an exception or a return value other than
+        ``bool`` / ``None`` ends the episode as FAILED, like an error in :meth:`step`.
+        """
+        return None
+
 
 def seeded_rng(*parts: object) -> random.Random:
     """A ``random.Random`` seeded from a SHA-256 of ``parts``: identical in every process and Python version."""
@@ -190,7 +232,8 @@ class TaskSuite:
     ``tasks(split)`` for split in ``train``/``dev``/``test``; ``make_env(task)`` gives a fresh episode.
     With ``disjoint_splits`` (default) no dev task equals a train task and no test task equals a train or dev
     task: a colliding task is redrawn with the next attempt number (at most ``MAX_ATTEMPTS`` times).
-    ``early_submit`` (``accept`` | ``fail``, module docstring) is passed to every environment; it does not change
+    ``early_submit`` (``accept`` | ``fail``) and ``invalid_command`` (``observe`` | ``fail``), module docstring, are
+    passed to every environment (subclasses hand :meth:`rules` to their environment's constructor); they do not change
     the tasks (nor the digest).
     """
 
@@ -204,8 +247,10 @@ class TaskSuite:
         extra_steps: int = 4,
         disjoint_splits: bool = True,
         early_submit: str = "accept",
+        invalid_command: str = "observe",
     ):
-        _check_early_submit(early_submit)
+        _check_option("early_submit", early_submit, EARLY_SUBMIT)
+        _check_option("invalid_command", invalid_command, INVALID_COMMAND)
         sizes = dict(split_sizes) if split_sizes is not None else {"train": 240, "dev": 60, "test": 60}
         if set(sizes) != set(SPLITS) or any(n < 0 for n in sizes.values()):
             raise ValueError(f"split_sizes needs non-negative sizes for exactly {SPLITS}, got {sizes}")
@@ -216,6 +261,7 @@ class TaskSuite:
         self.extra_steps = extra_steps
         self.disjoint_splits = disjoint_splits
         self.early_submit = early_submit
+        self.invalid_command = invalid_command
         self._tasks: dict[str, tuple[Task, ...]] | None = None
 
     # -- subclass hooks -------------------------------------------------------------------------------------
@@ -227,6 +273,10 @@ class TaskSuite:
         raise NotImplementedError
 
     # -- public ---------------------------------------------------------------------------------------------
+    def rules(self) -> dict:
+        """The console options every environment of this suite plays by: ``early_submit`` and ``invalid_command``."""
+        return {"early_submit": self.early_submit, "invalid_command": self.invalid_command}
+
     def max_steps(self, task: Task) -> int:
         """Step limit of an episode: the optimal ``n_items + 2`` steps plus ``extra_steps`` of slack."""
         return task.n_items + 2 + self.extra_steps
@@ -274,9 +324,9 @@ class TaskSuite:
         return out
 
 
-def _check_early_submit(value: str) -> None:
-    if value not in EARLY_SUBMIT:
-        raise ValueError(f"early_submit must be one of {EARLY_SUBMIT}, got {value!r}")
+def _check_option(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def _content(task: Task) -> str:

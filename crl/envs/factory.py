@@ -14,6 +14,8 @@ object the built-in suites are (:class:`crl.envs.base.TaskSuite` is one way to w
   trigger only).
 * for ``warm_start.enabled``: the environment's ``oracle_action()``, ``oracle_summary()`` and
   ``format_only_summary(rng)`` (see :class:`crl.envs.base.TextEnv`).
+* optional: the environment's ``summary_holds(summary_text) -> bool | None`` (:meth:`crl.envs.base.TextEnv.summary_holds`),
+  the verdicts behind the ``summary/*`` metrics.
 
 Under a curriculum the factory is called once per stage with ``length=stage.length`` (and ``compaction_steps=`` when
 the stage sets one) on top of ``env.kwargs``. ``examples/key_value_env.py`` is a complete example.

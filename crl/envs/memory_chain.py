@@ -16,26 +16,36 @@ quarters of ``length``, i.e. 24/48/72 for 96) with ``keep_recent`` (2) steps kep
 survives only through the summaries — provided the environment refuses an answer before the question
 (``early_submit="fail"``, see :mod:`crl.envs.base`): with the default ``accept`` a policy can submit at step 2,
 while the fact is still in its context. A correct summary is ``code 3`` (``none`` before the fact is shown).
+A summary *holds* the fact (:meth:`MemoryChainEnv.summary_holds`, :func:`summary_has_fact`) when the code appears
+in it as a whole number, whatever the wording (``code 3``, ``submit 3``; not ``13``).
 """
 from __future__ import annotations
 
 import random
 from typing import Mapping, Sequence
 
-from crl.envs.base import Task, TaskSuite, TextEnv
+from crl.envs.base import Task, TaskSuite, TextEnv, mentions_number
 
-__all__ = ["NOUNS", "COLOURS", "MemoryChainEnv", "MemoryChainSuite"]
+__all__ = ["NOUNS", "COLOURS", "MemoryChainEnv", "MemoryChainSuite", "summary_has_fact"]
 
 NOUNS = ("lamp", "door", "tree", "road", "bird", "cup", "box", "ship")
 COLOURS = ("red", "blue", "green", "yellow", "white", "black", "pink", "gray")
 QUESTION = "question : what is the code ?"
 
 
+def summary_has_fact(summary_text: str, code: int | str) -> bool:
+    """Whether a summary holds the fact ``code``: the code as a whole number anywhere in it (the policy chooses its
+    own wording: ``code 3``, ``submit 3``, ``3``; ``13`` or ``3.5`` do not hold ``3``). The one definition behind
+    :meth:`MemoryChainEnv.summary_holds` and ``scripts/summary_content.py``."""
+    return mentions_number(summary_text, code)
+
+
 class MemoryChainEnv(TextEnv):
     """One episode of a memory-chain task; the fact's code is the task's answer."""
 
-    def __init__(self, task: Task, max_steps: int, n_facts: int, compaction_steps: tuple[int, ...], keep_recent: int, early_submit: str = "accept"):
-        super().__init__(task, max_steps, early_submit)
+    def __init__(self, task: Task, max_steps: int, n_facts: int, compaction_steps: tuple[int, ...], keep_recent: int, early_submit: str = "accept",
+                 invalid_command: str = "observe"):
+        super().__init__(task, max_steps, early_submit, invalid_command)
         self.n_facts = n_facts
         self.compaction_steps = compaction_steps
         self.keep_recent = keep_recent
@@ -46,6 +56,11 @@ class MemoryChainEnv(TextEnv):
     def format_only_summary(self, rng: random.Random) -> str:
         return f"code {rng.randrange(self.n_facts)}" if self.n_revealed >= 1 else "none"
 
+    def summary_holds(self, summary_text: str) -> bool | None:
+        """The rest of the episode needs the fact's code: ``True`` when the summary holds it
+        (:func:`summary_has_fact`), ``None`` before the fact has been revealed (nothing is needed yet)."""
+        return summary_has_fact(summary_text, self.task.answer) if self.n_revealed >= 1 else None
+
 
 class MemoryChainSuite(TaskSuite):
     """Deterministic memory-chain tasks (240 train / 60 dev / 60 test by default).
@@ -54,7 +69,8 @@ class MemoryChainSuite(TaskSuite):
     ``compaction_steps`` (forced schedule; ``None`` derives ``round(length·j/4)`` for j = 1, 2, 3, dropping
     zeros and duplicates), ``keep_recent`` (atomic steps kept after a compaction), ``seed``, ``split_sizes``,
     ``extra_steps`` (step-limit slack over the optimal ``length + 3`` steps), ``early_submit`` (``accept`` |
-    ``fail``: what a submit before the question does, :mod:`crl.envs.base`).
+    ``fail``: what a submit before the question does) and ``invalid_command`` (``observe`` | ``fail``: what a
+    command other than ``next`` / ``submit <answer>`` does; :mod:`crl.envs.base`).
     """
 
     name = "memory"
@@ -70,6 +86,7 @@ class MemoryChainSuite(TaskSuite):
         extra_steps: int = 4,
         disjoint_splits: bool = True,
         early_submit: str = "accept",
+        invalid_command: str = "observe",
     ):
         if length < 0:
             raise ValueError(f"length must be >= 0, got {length}")
@@ -82,7 +99,8 @@ class MemoryChainSuite(TaskSuite):
         compaction_steps = tuple(int(s) for s in compaction_steps)
         if list(compaction_steps) != sorted(set(compaction_steps)) or any(s < 1 for s in compaction_steps):
             raise ValueError(f"compaction_steps must be strictly increasing positive ints, got {compaction_steps}")
-        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit)
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit,
+                         invalid_command=invalid_command)
         self.length = length
         self.n_facts = n_facts
         self.compaction_steps = compaction_steps
@@ -106,4 +124,4 @@ class MemoryChainSuite(TaskSuite):
         )
 
     def make_env(self, task: Task) -> MemoryChainEnv:
-        return MemoryChainEnv(task, self.max_steps(task), self.n_facts, self.compaction_steps, self.keep_recent, self.early_submit)
+        return MemoryChainEnv(task, self.max_steps(task), self.n_facts, self.compaction_steps, self.keep_recent, **self.rules())

@@ -36,6 +36,14 @@ always differ.
 
 :class:`PythonTaskReward` is the TorchRL transform that turns FINAL messages into rewards on a
 :class:`torchrl.envs.llm.ChatEnv` (history mode).
+
+What a summary must hold (:meth:`PythonTask.summary_holds`, a diagnostic): a compaction drops the task prompt from
+the context (the resume keeps the system prompt, the summary and the last ``k`` steps), while ``data.txt`` stays
+readable through the tool; so the summary must carry the *task*, i.e. what ``solve`` must return. Its wording is
+free (prose or code), so only the spec's parameters can be checked: a summary holds the task when it mentions every
+parameter as a whole number (the threshold ``t`` of ``count_above``, ``k`` of ``kth_smallest`` — ``k`` or the
+0-based ``k - 1`` the prompt also states — and of ``sum_top_k``, ``m`` of ``count_multiples``). That is necessary,
+not sufficient (the spec itself is not checked). Specs without a parameter cannot be judged: ``None``.
 """
 from __future__ import annotations
 
@@ -51,7 +59,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 
-from crl.envs.base import SPLITS, seeded_rng
+from crl.envs.base import SPLITS, mentions_number, seeded_rng
 
 __all__ = [
     "DATA_FILE",
@@ -264,6 +272,14 @@ class PythonTask:
     def content_key(self) -> str:
         """What makes two tasks the same task (used to keep splits disjoint): spec, parameters and data."""
         return json.dumps([self.spec, self.params, self.data])
+
+    def summary_holds(self, summary_text: str) -> bool | None:
+        """Whether a summary carries this task's parameters, each as a whole number (module docstring: what a summary
+        must hold); ``None`` for a spec without parameters (it cannot be judged from free text)."""
+        if not self.params:
+            return None
+        accepted = {name: {v, v - 1} if (self.spec, name) == ("kth_smallest", "k") else {v} for name, v in self.params}
+        return all(any(mentions_number(summary_text, v) for v in values) for values in accepted.values())
 
 
 def format_prompt(task_id: str, n: int, description: str) -> str:
@@ -760,6 +776,10 @@ class PythonToolSuite:
 
     def query(self, task: PythonTask) -> str:
         return task.prompt
+
+    def summary_holds(self, task: PythonTask, summary_text: str) -> bool | None:
+        """The chat collector's summary diagnostic: :meth:`PythonTask.summary_holds`."""
+        return task.summary_holds(summary_text)
 
     def make_env(self, task: PythonTask, compaction):
         from torchrl.envs import TransformedEnv

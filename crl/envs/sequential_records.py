@@ -16,10 +16,16 @@ After the last record, ``next`` shows the question, which asks for a key that wa
 The answer is the last value written to that key (e.g. ``7``). The question is not in the task prompt: the
 agent must track every key. A correct summary lists the current value of every key written so far, in order of
 first write (``blue = 7 , red = 2``; ``none`` before the first update).
+
+What a summary must hold (:meth:`SequentialRecordsEnv.summary_holds`, a diagnostic): the asked key's final value,
+once the record that writes it has been revealed (before, nothing the summary could hold decides the answer:
+``None``). Unasked keys are not required — dropping them loses nothing this episode needs — although a policy,
+which does not know the question yet, has to keep them all to succeed reliably.
 """
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -63,6 +69,23 @@ class SequentialRecordsEnv(TextEnv):
         keys = rng.sample(KEYS, n)
         return summarize({k: str(rng.randrange(10)) for k in keys})
 
+    @property
+    def asked_key(self) -> str:
+        """The key the question asks for (read from the question text)."""
+        return re.fullmatch(r"question : what is the final value of key (\w+) \?", self.task.question).group(1)
+
+    def summary_holds(self, summary_text: str) -> bool | None:
+        """``True`` when the summary pairs the asked key with its final value — the key as a whole word, then that
+        value as the next word, joined by nothing but spaces, ``=``, ``:``, ``->`` or ``is`` (``blue = 7``,
+        ``blue 7``, ``blue is 7``); ``None`` while the record that writes the final value is still ahead (module
+        docstring)."""
+        key = self.asked_key
+        last = max(i for i, u in enumerate(self.task.updates) if u is not None and u[0] == key)
+        if self.n_revealed <= last:
+            return None
+        pattern = rf"(?<!\w){key}(?!\w)(?:\s|=|:|->|\bis\b)*(?<![\w.-]){self.task.answer}(?!\w|\.\d)"
+        return re.search(pattern, summary_text) is not None
+
 
 class SequentialRecordsSuite(TaskSuite):
     """360 deterministic sequential-records tasks (240 train / 60 dev / 60 test by default).
@@ -72,7 +95,8 @@ class SequentialRecordsSuite(TaskSuite):
     ``len(KEYS)``), ``n_values`` (values are ``0 … n_values-1``, at most 10), ``seed``, ``split_sizes``,
     ``extra_steps`` (step-limit slack over the optimal ``n_records + 2`` steps), ``early_submit`` (``accept`` |
     ``fail``, :mod:`crl.envs.base`: before the question a submit can only guess the asked key, but with
-    ``accept`` it ends the episode before any compaction is needed).
+    ``accept`` it ends the episode before any compaction is needed), ``invalid_command`` (``observe`` | ``fail``,
+    :mod:`crl.envs.base`).
     """
 
     name = "records"
@@ -88,6 +112,7 @@ class SequentialRecordsSuite(TaskSuite):
         extra_steps: int = 4,
         disjoint_splits: bool = True,
         early_submit: str = "accept",
+        invalid_command: str = "observe",
     ):
         if n_records < 1:
             raise ValueError(f"n_records must be >= 1, got {n_records}")
@@ -97,7 +122,8 @@ class SequentialRecordsSuite(TaskSuite):
             raise ValueError(f"n_keys must be in [1, {len(KEYS)}], got {n_keys}")
         if not 2 <= n_values <= 10:
             raise ValueError(f"n_values must be in [2, 10], got {n_values}")
-        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit)
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit,
+                         invalid_command=invalid_command)
         self.n_records = n_records
         self.distractor_rate = distractor_rate
         self.n_keys = n_keys
@@ -136,4 +162,4 @@ class SequentialRecordsSuite(TaskSuite):
         )
 
     def make_env(self, task: RecordsTask) -> SequentialRecordsEnv:
-        return SequentialRecordsEnv(task, self.max_steps(task), self.early_submit)
+        return SequentialRecordsEnv(task, self.max_steps(task), **self.rules())

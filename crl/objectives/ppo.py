@@ -94,7 +94,9 @@ class CompactionPPOLoss(LossModule):
     ``explained_variance`` (``1 - Var(y - V_θ) / Var(y)``, NaN if ``Var(y) = 0``), per segment kind
     ``num_tokens_{execution,summary}``, ``objective_{execution,summary}`` (the kind's signed part of
     ``loss_objective``; the two add up to it), ``share_{objective,critic}_{execution,summary}`` (the kind's
-    share of ``Σ|w ℓ|``).
+    share of ``Σ|w ℓ|``) and, when the actor writes ``"entropy"``, ``sum_entropy_{execution,summary}`` (float64,
+    *unweighted* ``Σ H_t`` over the kind's optimized tokens, nats: divided by ``num_tokens_{kind}`` summed over
+    micro-batches and ranks it is the mean entropy per token of that kind).
 
     Examples:
         >>> loss = CompactionPPOLoss(actor, critic)
@@ -426,6 +428,8 @@ class CompactionPPOLoss(LossModule):
                 for kname, kval in (("execution", SegmentKind.EXECUTION), ("summary", SegmentKind.SUMMARY)):
                     rows = (kind == int(kval)).unsqueeze(-1) & mask
                     out.set(f"num_tokens_{kname}", rows.sum())
+                    if ent is not None:
+                        out.set(f"sum_entropy_{kname}", (ent.to(torch.float64) * rows).sum())
                     if l_obj is not None:
                         out.set(f"objective_{kname}", (l_obj * rows).sum() * scale)
                     for lname, l in (("objective", l_obj), ("critic", l_crit)):

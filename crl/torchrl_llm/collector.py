@@ -13,6 +13,8 @@ The suite (what ``env.factory`` returns, called with ``tokenizer=``, ``seed=`` a
     suite.query(task) -> str                           # the user turn ChatEnv is reset with
     suite.make_env(task, compaction) -> EnvBase        # a TransformedEnv over ChatEnv(batch_size=(1,)) holding
                                                        # compaction(*on_action): call it with your tools / verifier
+    suite.summary_holds(task, text) -> bool | None     # optional: does this summary hold what the episode needs?
+                                                       # (crl.envs.base.TextEnv.summary_holds; a diagnostic)
 
 Sampling is reproducible: each episode samples under ``torch`` seeded from the collector's stream and the episode
 number, inside ``torch.random.fork_rng`` (the trainer's global RNG is untouched). An environment that raises ends
@@ -30,7 +32,7 @@ from tqdm.auto import tqdm
 
 from crl.collectors.compaction_collector import EpisodeStream, EpisodeSummary
 from crl.compaction import CompactionConfig
-from crl.episode import EpisodeStatus, concat_episodes, validate_episodes
+from crl.episode import EpisodeStatus, SegmentKind, concat_episodes, validate_episodes
 from crl.modules.generation import stream_seed
 from crl.modules.models import actor_module
 from crl.torchrl_llm.convert import to_episodes
@@ -88,7 +90,7 @@ class ChatCollector(EpisodeStream):
         self.policy = TransformersWrapper(lm, tokenizer=tokenizer, input_mode="history", generate=True, generate_kwargs=gen,
                                           return_log_probs=True, prefer_tokens=True)
         self.actor = actor_module(lm, temperature, top_p, suppress_ids=[int(tokenizer.pad_token_id)])  # re-scores behaviour log-probs
-        self.compaction_factory(0)()  # fail now, not mid-run: the transform checks the budget against the texts
+        self.stop_id = self.compaction_factory(0)().stop_id  # fail now, not mid-run: the transform checks the budget against the texts
         self.engine = self  # the trainer reads collector.engine.config.forced_steps (none here: compaction is by budget)
         self.episodes_started = 0
         self.batches_yielded = 0
@@ -126,6 +128,28 @@ class ChatCollector(EpisodeStream):
             env.close(raise_if_closed=False)
         return rows.reshape(-1)
 
+    def _judge_summaries(self, task, td: TensorDict) -> dict:
+        """The suite's verdicts (``suite.summary_holds(task, text)``, optional) on the episode ``td``'s summaries, in
+        segment order, each decoded as the compaction transform copies it (the sampled tokens without the stop
+        token): the :class:`EpisodeSummary` fields ``summaries_judged`` / ``summaries_holding`` / ``last_summary_holds``."""
+        out = {"summaries_judged": 0, "summaries_holding": 0, "last_summary_holds": None}
+        hook = getattr(self.suite, "summary_holds", None)
+        if hook is None:
+            return out
+        rows = td[td["segment_kind"] == int(SegmentKind.SUMMARY)]
+        for i in rows["segment_index"].argsort().tolist():
+            ids = rows["tokens"][i][rows["loss_mask"][i]].tolist()
+            ids = ids[:-1] if ids and ids[-1] == self.stop_id else ids
+            verdict = hook(task, self.tokenizer.decode(ids, skip_special_tokens=False))
+            if verdict is None:
+                continue
+            if not isinstance(verdict, bool):
+                raise TypeError(f"suite.summary_holds returned {verdict!r} ({type(verdict).__name__}); expected True, False or None")
+            out["summaries_judged"] += 1
+            out["summaries_holding"] += verdict
+            out["last_summary_holds"] = verdict
+        return out
+
     def collect(self) -> TensorDict:
         """Play ``episodes_per_batch`` episodes to the end and return their validated rows."""
         t0 = time.perf_counter()
@@ -144,6 +168,7 @@ class ChatCollector(EpisodeStream):
                 try:
                     rows = self._play(task, rid, n)
                     td = to_episodes(rows, self.actor, vocab_size=len(self.tokenizer))
+                    verdicts = self._judge_summaries(task, td)
                 except Exception as err:  # the user's environment (or its tools) failed: this episode only
                     warnings.warn(f"torchrl_chat episode {rid} ({task_id}) failed: {type(err).__name__}: {err}", stacklevel=2)
                     self.last_episodes.append(EpisodeSummary(rid, task_id, EpisodeStatus.FAILED, 0.0, 0, 0, 0, f"{type(err).__name__}: {err}"))
@@ -159,6 +184,7 @@ class ChatCollector(EpisodeStream):
                 self.last_episodes.append(EpisodeSummary(
                     rid, task_id, EpisodeStatus(int(td["status"][0])), float(td["reward"][0]),
                     int(last.get(("next", "compaction", "n_steps")).reshape(-1)[0]), int(summary_rows.sum()), int(td.batch_size[0]),
+                    **verdicts,
                 ))
                 bar.update(1)
         finally:
