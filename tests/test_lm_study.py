@@ -157,9 +157,10 @@ def test_early_submit_env_semantics():
 
 def test_early_submit_config_key():
     """``env.early_submit`` defaults to accept (existing runs unchanged), is validated at load time and reaches the
-    environments through build_suite (both task families)."""
+    environments through build_suite (both task families). The main job's config sets fail (no shortcut around the
+    summary: tests/test_default_task.py)."""
     assert load_config().env.early_submit == "accept"
-    assert load_config(ROOT / "configs" / "default.yaml").env.early_submit == "accept"
+    assert load_config(ROOT / "configs" / "default.yaml").env.early_submit == "fail"
     with pytest.raises(ConfigValidationError, match="env.early_submit"):
         load_config(None, ["env.early_submit=refuse"])
     cfg = load_config(None, ["env.early_submit=fail"])
@@ -189,9 +190,9 @@ def test_study_arm_configs():
 
 
 def test_lm_study_quick_report_and_resume(tmp_path):
-    """``scripts/lm_study.py --quick`` trains joint and frozen at seed 7 as two parallel scripts/train.py runs,
-    audits both (PASS), writes report.json (the issue's structure) and curves.png; a rerun skips both runs (the
-    trainer says "already complete") and reuses their audits."""
+    """``scripts/lm_study.py --quick`` (a use of scripts/sweep.py) trains joint and frozen at seed 7 as two parallel
+    scripts/train.py runs, audits both (PASS), writes report.json (the issue's structure, plus the sweep's rows and
+    statistics) and curves.png; a rerun skips both runs (the trainer says "already complete") and reuses their audits."""
     out = tmp_path / "study"
     cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "frozen", "--seeds", "7", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
@@ -225,6 +226,15 @@ def test_lm_study_quick_report_and_resume(tmp_path):
         fe = s["final_eval"]  # scripts/evaluate.py on the final checkpoint: 8 episodes in --quick
         assert fe["episodes"] == task["final_eval_episodes"] == 8 and fe["iteration"] == 2 and 0 <= fe["success"] <= 1
         assert (out / s["run_dir"] / "eval_dev_8.json").is_file()
+        # the sweep's row (scripts/sweep.py runs the study): kernel default (the machine's own), the capability the training process ran with
+        assert s["kernel"] == "default" and s["aten_cpu_capability"] is None and s["cpu_capability"]
+        assert s["iterations_to_threshold"] == next((it for it, v in s["curve"] if v >= 0.9), None)
+        assert s["final_eval_success"] == fe["success"] and isinstance(s["diagnostics"], dict)
+        agg = a["aggregate"]  # sweep.py's statistics of the arm (one seed: IQM = the value, a degenerate interval)
+        assert agg["runs"] == 1 and agg["audits_pass"] == 1
+        assert agg["final_eval_success"]["iqm"] == agg["final_eval_success"]["mean"] == fe["success"]
+        assert agg["final_eval_success"]["iqm_ci95"] == [fe["success"], fe["success"]]
+    assert report["threshold"] == 0.9 and report["bootstrap"]["strata"] == "arm/kernel"
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     t0 = time.perf_counter()

@@ -1,0 +1,237 @@
+"""scripts/sweep.py (issue 26): the statistics against independent computations, and ``--quick`` end to end (4 runs:
+2 seeds x kernels default / avx2, each audited; the kernel really reached the training process; the report's
+aggregates recomputed from its rows; resume retrains nothing; ``--report-only``)."""
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+
+
+def load_sweep():
+    spec = importlib.util.spec_from_file_location("sweep_script", ROOT / "scripts" / "sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sweep = load_sweep()
+
+
+# ------------------------------------------------------------------------------------------------ independent references
+def iqm_by_hand(x) -> float:
+    """The 25 % trimmed mean as a plain loop: sort, skip floor(n/4) at each end, average the rest."""
+    s = sorted(x)
+    k = len(s) // 4
+    kept = s[k:len(s) - k]
+    total = 0.0
+    for v in kept:
+        total += v
+    return total / len(kept)
+
+
+def percentile_by_hand(values, q: float) -> float:
+    """numpy's default ('linear') percentile, written out."""
+    s = sorted(values)
+    pos = q / 100 * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (pos - lo) * (s[hi] - s[lo])
+
+
+def bootstrap_by_hand(strata: dict, resamples: int, seed: int) -> list[float]:
+    """The stratified bootstrap as a loop over resamples, with sweep.py's documented draws (a default_rng(seed); per
+    stratum in sorted key order, one integers(0, n, (resamples, n)) matrix): each resample takes, within each
+    stratum, n values by those indices; its IQM by :func:`iqm_by_hand`; the 2.5 / 97.5 percentiles by hand."""
+    rng = np.random.default_rng(seed)
+    keys = sorted(strata)
+    draws = {k: rng.integers(0, len(strata[k]), (resamples, len(strata[k]))) for k in keys}
+    estimates = []
+    for b in range(resamples):
+        sample = [strata[k][int(i)] for k in keys for i in draws[k][b]]
+        estimates.append(iqm_by_hand(sample))
+    return [percentile_by_hand(estimates, 2.5), percentile_by_hand(estimates, 97.5)]
+
+
+def stats_by_hand(strata: dict, threshold: float) -> dict | None:
+    strata = {k: v for k, v in strata.items() if v}
+    x = [v for vs in strata.values() for v in vs]
+    if not x:
+        return None
+    return {"n": len(x), "mean": sum(x) / len(x), "min": min(x), "max": max(x), "iqm": iqm_by_hand(x),
+            "iqm_ci95": bootstrap_by_hand(strata, sweep.RESAMPLES, sweep.BOOTSTRAP_SEED),
+            "frac_at_least_threshold": sum(v >= threshold for v in x) / len(x)}
+
+
+def assert_close(got, want, path=""):
+    if isinstance(want, dict):
+        assert set(got) == set(want), path
+        for k in want:
+            assert_close(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-12), path
+    else:
+        assert got == want, path
+
+
+# ------------------------------------------------------------------------------------------------ unit tests
+def test_parse_seeds():
+    assert sweep.parse_seeds(["0-9"]) == list(range(10))
+    assert sweep.parse_seeds(["0", "3", "5"]) == [0, 3, 5]
+    assert sweep.parse_seeds(["0-4", "7"]) == [0, 1, 2, 3, 4, 7]
+    assert sweep.parse_seeds(["1,4-5"]) == [1, 4, 5]
+    for bad in ("5-2", "a", "-3", "1-"):
+        with pytest.raises(ValueError):
+            sweep.parse_seeds([bad])
+
+
+def test_iqm_is_rliables_trimmed_mean():
+    """sweep.iqm == scipy.stats.trim_mean(x, 0.25) (rliable's aggregate_iqm) when scipy is installed, and == a plain
+    sorted-list loop always; n = 10 averages the middle 6 (floor(10/4) = 2 dropped at each end)."""
+    assert sweep.iqm([10, 1, 9, 2, 8, 3, 7, 4, 6, 5]) == (3 + 4 + 5 + 6 + 7 + 8) / 6
+    assert sweep.iqm([0.0, 1.0, 100.0]) == pytest.approx(101 / 3)  # n < 4: nothing dropped
+    assert sweep.iqm([0.0, 1.0, 2.0, 100.0]) == 1.5
+    try:
+        from scipy.stats import trim_mean
+    except ImportError:
+        trim_mean = None
+    rng = random.Random(0)
+    for n in range(1, 40):
+        x = [rng.choice([0.0, 0.25, 0.5, 0.9, 1.0, rng.random()]) for _ in range(n)]
+        assert sweep.iqm(x) == pytest.approx(iqm_by_hand(x), abs=1e-12), n
+        if trim_mean is not None:
+            assert sweep.iqm(x) == pytest.approx(float(trim_mean(x, 0.25)), abs=1e-12), n
+
+
+def test_stratified_bootstrap_matches_a_hand_loop():
+    """The vectorised bootstrap equals the loop over resamples (same draws, IQM and percentiles by hand); it is
+    stratified: two strata whose values never mix always resample to the same IQM."""
+    strata = {"joint/default": [0.9, 1.0, 0.95, 0.3, 1.0], "joint/avx2": [0.25, 0.97, 1.0], "frozen/default": [0.5]}
+    got = sweep.iqm_ci(strata, resamples=4000, seed=123)
+    assert got == pytest.approx(bootstrap_by_hand(strata, 4000, 123), abs=1e-12)
+    assert got[0] <= sweep.iqm([v for vs in strata.values() for v in vs]) <= got[1]
+    assert sweep.iqm_ci(strata, resamples=4000, seed=123) == got  # fixed seed: reproducible
+    # Per stratum, 2 zeros and 2 ones: every stratified resample holds 2 of each (IQM 0.5); unstratified would not.
+    assert sweep.iqm_ci({"a": [0.0, 0.0], "b": [1.0, 1.0]}, resamples=2000) == [0.5, 0.5]
+    assert sweep.stats({"a": [], "b": []}, 0.9) is None
+
+
+def test_cli_refuses_ambiguous_arms():
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--config", "configs/study/joint.yaml", "configs/study96/joint.yaml", "--out", "unused"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "two arms named 'joint'" in proc.stderr
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--seeds", "3-1", "--out", "unused"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--seeds" in proc.stderr
+    assert not (ROOT / "unused").exists()
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
+    """``sweep.py --quick``: 4 runs (seeds 0 1 x kernels default avx2) of configs/default.yaml, trained by
+    scripts/train.py, audited PASS, final checkpoints evaluated; each training process ran with the capability its
+    kernel claims (default: the machine's own, as with the variable unset; avx2: AVX2); the report's aggregates
+    equal an independent computation from its per-run rows; curves.png; a rerun retrains nothing; --report-only
+    marks a missing seed NOT RUN. On a machine torch cannot run AVX2 on, the sweep must refuse before training."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "scripts/sweep.py", "--quick", "--final-episodes", "8", "--out", str(out)]
+    avx2 = subprocess.run([sys.executable, "-c", "import torch; torch.randn(4096).exp().sum().item(); print(torch.backends.cpu.get_cpu_capability())"],
+                          cwd=ROOT, env=dict(ENV, ATEN_CPU_CAPABILITY="avx2"), capture_output=True, text=True, timeout=300)
+    if avx2.returncode != 0 or avx2.stdout.strip() != "AVX2":
+        refused = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0 and "kernel avx2" in refused.stderr and not (out / "runs").exists(), refused.stdout[-2000:] + refused.stderr[-2000:]
+        pytest.skip(f"torch cannot run AVX2 kernels here ({avx2.stdout.strip() or avx2.stderr[-200:]!r}); the sweep refused kernel avx2")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
+    first_s = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    report = json.loads((out / "report.json").read_text())
+    runs = report["runs"]
+    assert sorted((r["seed"], r["kernel"]) for r in runs) == [(0, "avx2"), (0, "default"), (1, "avx2"), (1, "default")]
+    assert report["seeds"] == [0, 1] and report["threshold"] == 0.9 and report["chance"] == 0.25 and report["quick"] is True
+    assert report["kernels"] == {"default": {"ATEN_CPU_CAPABILITY": None}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"}}
+    # what torch picks here with the variable unset, asked from a fresh process
+    native = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"], cwd=ROOT,
+                            env={k: v for k, v in ENV.items() if k != "ATEN_CPU_CAPABILITY"}, capture_output=True, text=True, timeout=300).stdout.strip()
+    assert native
+    for r in runs:
+        name = f"default_seed{r['seed']}_{r['kernel']}"
+        assert r["name"] == name and r["run_dir"] == f"runs/{name}" and r["arm"] == "default" and r["config"] == "configs/default.yaml"
+        assert r["audit"] == "PASS", (name, json.loads((out / r["run_dir"] / "audit.json").read_text())["failed"])
+        assert (out / r["run_dir"] / "metrics.jsonl").is_file() and "error" not in r
+        # the kernel reached the training process: it printed torch's capability as the first line of its log
+        assert r["aten_cpu_capability"] == {"default": None, "avx2": "avx2"}[r["kernel"]]
+        assert r["cpu_capability"] == {"default": native, "avx2": "AVX2"}[r["kernel"]], r
+        log = (out / "logs" / f"{name}.train.log").read_text()
+        assert f"sweep: torch cpu capability {r['cpu_capability']}" in log
+        assert ("\n$ ATEN_CPU_CAPABILITY=avx2 python " in log) == (r["kernel"] == "avx2")
+        assert ("\n$ python " in log) == (r["kernel"] == "default")
+        # the curve and what is read off it
+        assert [it for it, _ in r["curve"]] == [0, 1, 2] and all(0 <= v <= 1 for _, v in r["curve"])
+        assert r["iter0_dev_success"] == r["curve"][0][1] and r["final_dev_success"] == r["curve"][-1][1] and r["final_iteration"] == 2
+        assert r["iterations_to_threshold"] == next((it for it, v in r["curve"] if v >= 0.9), None)
+        assert r["final_eval"]["episodes"] == 8 and r["final_eval"]["iteration"] == 2 and r["final_eval_success"] == r["final_eval"]["success"]
+        assert set(r["diagnostics"]) <= set(sweep.DIAGNOSTICS) and r["train_wall_s"] > 0
+        assert r["overrides"] == sweep.QUICK
+        assert name in proc.stdout  # the per-run table
+    if native != "AVX2":  # two different float paths really ran
+        assert {r["cpu_capability"] for r in runs} == {native, "AVX2"}
+
+    # aggregates: recomputed from the rows, strata = (arm, kernel)
+    def expected(rows):
+        def strata(key):
+            out = {}
+            for r in rows:
+                out.setdefault(f"{r['arm']}/{r['kernel']}", []).extend([] if r[key] is None else [r[key]])
+            return out
+
+        starts = [r["iter0_dev_success"] for r in rows]
+        return {"runs": len(rows), "audits_pass": sum(r["audit"] == "PASS" for r in rows),
+                "reached_threshold": sum(any(v >= 0.9 for _, v in r["curve"]) for r in rows), "iter0_dev_success_mean": sum(starts) / len(starts),
+                "final_dev_success": stats_by_hand(strata("final_dev_success"), 0.9),
+                "final_eval_success": stats_by_hand(strata("final_eval_success"), 0.9)}
+
+    aggs = report["aggregates"]
+    assert set(aggs) == {"overall", "arms", "kernels"}  # one arm: no (arm, kernel) cells
+    assert_close(aggs["overall"], expected(runs), "overall")
+    assert_close(aggs["arms"]["default"], expected(runs), "arms.default")
+    for kernel in ("default", "avx2"):
+        assert_close(aggs["kernels"][kernel], expected([r for r in runs if r["kernel"] == kernel]), f"kernels.{kernel}")
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # resume: nothing retrained, audits and final evaluations reused, the same rows
+    t0 = time.perf_counter()
+    again = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("already complete") == 4 and again.stdout.count("(reused)") == 4 and "trained in" not in again.stdout
+    assert time.perf_counter() - t0 < first_s
+    rows2 = {r["name"]: r for r in json.loads((out / "report.json").read_text())["runs"]}
+    for r in runs:
+        b = rows2[r["name"]]
+        assert (b["curve"], b["train_wall_s"], b["final_eval"], b["audit"], b["cpu_capability"]) == (
+            r["curve"], r["train_wall_s"], r["final_eval"], r["audit"], r["cpu_capability"])
+
+    # --report-only: trains nothing; seed 2 was never run
+    only = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--report-only", "--seeds", "0", "2", "--kernels", "default",
+                           "--final-episodes", "8", "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert only.returncode == 1 and "not run: default seed 2" in only.stdout and "start " not in only.stdout, only.stdout[-2000:]
+    rows3 = {r["name"]: r for r in json.loads((out / "report.json").read_text())["runs"]}
+    assert set(rows3) == {"default_seed0_default", "default_seed2_default"}
+    assert rows3["default_seed0_default"]["curve"] == rows2["default_seed0_default"]["curve"] and rows3["default_seed0_default"]["audit"] == "PASS"
+    assert rows3["default_seed2_default"]["audit"] == "NOT RUN" and rows3["default_seed2_default"]["curve"] == []
+    assert json.loads((out / "report.json").read_text())["aggregates"]["overall"]["final_dev_success"]["n"] == 1
+    assert not (out / "runs" / "default_seed2_default").exists()
