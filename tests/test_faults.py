@@ -613,6 +613,7 @@ from crl.run_dir import RunDirError, RunDirLock  # noqa: E402
 TRAIN_TINY = [
     "train.episodes_per_batch=4", "warm_start.steps=4", "warm_start.batch_episodes=4", "eval.episodes=4",
     "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false", "train.critic_warmup_iterations=0",
+    "warm_start.stop_answer_p=null",  # a few steps cannot teach reading: the probe's stop rule off (exactly warm_start.steps)
 ]
 CLI_ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
 
@@ -661,8 +662,15 @@ def metric_lines(run_dir):
     return [r for r in recs if r["step"] >= 0]
 
 
-# The audit requires non-zero gradient norms: enough warm start that some episodes succeed (rewards not all 0).
-AUDITABLE = ("warm_start.steps=60", "train.episodes_per_batch=8")
+# Runs the audit must PASS. Its grad_norms check needs >= 1 positive actor and critic gradient norm. With the default
+# zero-initialised value head that held only if some evidence batch had a rewarded episode, a draw: measured over
+# train.seed 0-5, the 3-iteration run below had no reward at all for seed 1 (every norm 0), the 1-iteration
+# frozen-summary run (then 16 episodes) none for seed 4. model.value_head_init=normal makes it hold by construction:
+# the critic's values V are non-zero from the start, so even with every reward 0 a rollout's last (sampled) token has
+# advantage r - V = -V != 0 (actor gradient; crl.objectives.value: V after a segment's last token is 0), and the
+# value targets differ from V by the advantages (critic gradient). The warm start teaches the action and summary
+# format, so that episodes reach the forced compaction and write summaries (the audit's path check).
+AUDITABLE = ("warm_start.steps=60", "train.episodes_per_batch=8", "model.value_head_init=normal")
 
 
 def test_resume_keeps_checkpoints_pinned_by_evidence_on_disk(tmp_path, monkeypatch):
@@ -710,9 +718,16 @@ def test_evidence_on_critic_warmup_iterations_passes_the_audit(tmp_path):
 
 
 def test_frozen_summary_run_passes_the_audit(tmp_path):
-    """Row: frozen-summary runs could never PASS the audit (no SUMMARY tokens)."""
+    """Row: frozen-summary runs could never PASS the audit (no SUMMARY tokens).
+
+    One iteration; its gradients are non-zero by construction, not by a lucky reward (AUDITABLE: a normal-initialised
+    value head). Only execution tokens are optimized in the frozen arm, and each has a non-zero advantage because
+    the critic's values are non-zero, so the actor's gradient norm is positive even when all 8 rewards are 0, as they
+    were for train.seed 0, 1 and 4 (measured; with the zero head, seed 4's batch had every gradient norm 0, which
+    the audit's grad_norms check FAILs). Summaries come from the forced compaction: 5-8 of the 8 rollouts had the
+    audited EXECUTION -> SUMMARY -> EXECUTION path for those seeds."""
     run = tmp_path / "run"
-    fit(run, "train.iterations=1", "algo.frozen_summary=true", "checkpoint.evidence_every=1", *AUDITABLE, "train.episodes_per_batch=16")
+    fit(run, "train.iterations=1", "algo.frozen_summary=true", "checkpoint.evidence_every=1", *AUDITABLE)
     code, out = audit(run)
     assert code == 0 and "audit: PASS" in out and "frozen_summary_not_trained" in out, out
 
@@ -887,7 +902,8 @@ def test_top_p_first_policy_update_has_ratio_one(tmp_path):
     """Row: model.top_p < 1: the learner's log-probs were not those of the sampling distribution."""
     from crl.trainer import Trainer
 
-    trainer = Trainer(trainer_cfg(tmp_path / "run", "train.iterations=1", "model.top_p=0.8"))
+    # one minibatch: every policy step then sees the weights that sampled (with more, later minibatches see updated ones)
+    trainer = Trainer(trainer_cfg(tmp_path / "run", "train.iterations=1", "model.top_p=0.8", "train.policy_minibatches=1"))
     batch = trainer.compute_advantages(trainer.collect())
     trainer.update_policy(batch, iteration=0)
     m = trainer.step_log["metrics"]
@@ -944,6 +960,12 @@ class _FailingTrainEnvs:
         monkeypatch.setattr(builders, "build_suite", build_suite)
 
 
+# The faulty environments raise at their second step: episodes must get there. After a 20-step warm start the policy
+# mostly writes invalid commands, which configs/default.yaml's invalid_command=fail ends at step 1; observe lets them
+# run on (a step each).
+REACH_STEP_2 = "env.invalid_command=observe"
+
+
 def _audit(run_dir):
     proc = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "audit: PASS" in proc.stdout, proc.stdout + proc.stderr
@@ -962,7 +984,8 @@ def test_infrastructure_failures_are_dropped_not_trained(tmp_path, monkeypatch, 
     the evidence (rollout.pt) and are counted (episode/failed), but never reach the estimator, the normaliser or
     training.pt; truncated episodes are still trained. =train keeps the old behaviour. The audit checks the rule."""
     _FailingTrainEnvs(monkeypatch, lambda n: n % 2 == 1)  # every other train episode crashes
-    overrides = ["train.iterations=1", "train.episodes_per_batch=6", "warm_start.steps=20", "checkpoint.evidence_every=1", "model.value_head_init=normal"]
+    overrides = ["train.iterations=1", "train.episodes_per_batch=6", "warm_start.steps=20", "checkpoint.evidence_every=1", "model.value_head_init=normal",
+                 REACH_STEP_2]
     trainer = fit(tmp_path / "run", *overrides, *([] if policy == "drop" else ["train.failed_episodes=train"]))
     ev = tmp_path / "run" / "evidence" / "iter_000000" / "rank_0"
     collected, trained = _statuses_of(ev / "rollout.pt"), _statuses_of(ev / "training.pt")
@@ -990,7 +1013,7 @@ def test_an_iteration_whose_every_episode_failed_skips_the_update(tmp_path, monk
     logs train/update_skipped, keeps the evidence, and the run audits PASS."""
     _FailingTrainEnvs(monkeypatch, lambda n: n >= 4)
     trainer = fit(tmp_path / "run", "train.iterations=2", "warm_start.steps=20", "checkpoint.evidence_every=1", "checkpoint.every=1", "model.value_head_init=normal",
-                  "checkpoint.keep_last=2")
+                  "checkpoint.keep_last=2", REACH_STEP_2)
     assert "iteration 2: all 4 episodes failed" in capsys.readouterr().out
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/update_skipped"] for r in recs if r["step"] > 0] == [0.0, 1.0]

@@ -14,10 +14,18 @@ from _gloo import free_port
 from crl.episode import EpisodeStatus, load_episodes
 
 ROOT = Path(__file__).resolve().parents[1]
+# model.value_head_init=normal: the audits below need >= 1 positive actor and critic gradient norm, which a zero value
+# head gives only if some batch holds a reward; after a 20-step warm start that is a draw (one process, 4 episodes x 4
+# iterations: no reward at all for 4 of train.seed 0-5). With non-zero values every rollout's last token has a non-zero
+# advantage (tests/test_faults.py, AUDITABLE).
 TINY = [
     "train.episodes_per_batch=4", "warm_start.steps=20", "warm_start.batch_episodes=4", "eval.episodes=4", "eval.every=0",
     "logging.wandb_mode=disabled", "logging.progress=false", "train.critic_warmup_iterations=0", "checkpoint.every=1",
-    "checkpoint.evidence_every=1", "checkpoint.keep_last=10",
+    "checkpoint.evidence_every=1", "checkpoint.keep_last=10", "model.value_head_init=normal",
+    "warm_start.stop_answer_p=null",  # 20 steps cannot teach reading: the probe's stop rule off (exactly warm_start.steps)
+    # the audits' summary-path check needs episodes that reach the forced compaction: after 20 warm-start steps the
+    # policy mostly writes invalid commands, which configs/default.yaml's invalid_command=fail ends at step 1
+    "env.invalid_command=observe",
 ]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
 
