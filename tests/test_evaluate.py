@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "train.episodes_per_batch=4", "warm_start.batch_episodes=4", "logging.wandb_mode=disabled",
     "logging.progress=false", "train.critic_warmup_iterations=0",
+    "warm_start.stop_answer_p=null",  # <= 150 steps cannot teach reading: the probe's stop rule off (exactly warm_start.steps)
 ]
 
 

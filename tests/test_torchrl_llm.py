@@ -246,7 +246,7 @@ def chat_config(tmp_path, extra=()):
     base = [f"run_dir={tmp_path / 'run'}", "model.preset=llama-tiny", "model.max_action_tokens=12", "model.value_head_init=normal",
             "prompt.format=chat", "env.name=torchrl_chat", "env.factory=tests._chat_suite:make_suite", "compaction.context_capacity=900",
             "compaction.min_remaining=300", "compaction.max_compactions=2", "compaction.keep_recent=1", "compaction.max_steps=12",
-            "warm_start.enabled=false", "train.iterations=2", "train.episodes_per_batch=2", "train.critic_warmup_iterations=0",
+            "warm_start.enabled=false", "train.iterations=2", "train.episodes_per_batch=2", "train.policy_minibatches=1", "train.critic_warmup_iterations=0",
             "eval.every=1", "eval.episodes=2", "tools.sandbox=none", "logging.wandb_mode=disabled", *extra]
     return base
 

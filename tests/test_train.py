@@ -20,6 +20,7 @@ TINY = [
     "train.iterations=1", "train.episodes_per_batch=4", "warm_start.steps=4", "warm_start.batch_episodes=4",
     "eval.episodes=4", "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false",
     "train.critic_warmup_iterations=0", "checkpoint.evidence_every=1",
+    "warm_start.stop_answer_p=null",  # a few steps cannot teach reading: the probe's stop rule off (exactly warm_start.steps)
 ]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
 
@@ -176,3 +177,25 @@ def test_contradictory_choices_and_cli_message(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'never'}", "algo.aggregation=mean"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "config error: algo.aggregation" in proc.stderr
     assert not (tmp_path / "never").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_warm_start_that_cannot_read_ends_the_run_before_rl(tmp_path, ranks):
+    """A budget too small to learn reading (3 warm-start steps, probe threshold 0.99): the run ends before any RL
+    iteration, every rank exits non-zero (with 2 ranks rank 0 computes the warm start while rank 1 waits: rank 1 must
+    learn of the failure instead of waiting at the barrier), the last line of stderr is one line naming the probe
+    value and the keys to change, the probe is in metrics.jsonl, and no checkpoint or RL metric was written."""
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(run_dir, "warm_start.steps=3", "warm_start.stop_answer_p=0.99", "warm_start.probe_every=1")
+    if ranks == 2:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
+               "--main_process_port", "29561", *cmd[1:]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("warm start failed:")]
+    assert len(lines) == ranks, proc.stderr[-3000:]  # one line per process, nothing else of ours
+    assert "after 3 steps (warm_start.steps) the answer probe is 0." in lines[0] and "< warm_start.stop_answer_p=0.99" in lines[0]
+    assert "warm_start.lr" in lines[0] and "Traceback" not in proc.stderr.split(lines[0])[0][-400:]
+    recs = metrics(run_dir)
+    assert all(r["step"] < 0 for r in recs) and "warm_start/answer_p_train" in recs[-1]
+    assert not any((run_dir / "checkpoints").glob("iter_*"))

@@ -18,7 +18,14 @@ from crl.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 5e-5  # behaviour vs learner log-probs, fp32 on this CPU (tests/test_vllm_backend.py)
 VLLM = ["model.backend=vllm", "vllm.cpu_kv_cache_gb=0.25", "logging.wandb_mode=disabled", "logging.progress=false",
-        "train.critic_warmup_iterations=0", "train.episodes_per_batch=6", "eval.episodes=6", "warm_start.batch_episodes=6"]
+        "train.critic_warmup_iterations=0", "train.episodes_per_batch=6", "eval.episodes=6", "warm_start.batch_episodes=6",
+        "warm_start.stop_answer_p=null",  # 20-40 steps cannot teach reading: the probe's stop rule off
+        "train.policy_minibatches=1",  # approx_kl ~ 0 (checked below) holds for every policy step only with one minibatch
+        # The audits: after 20-40 warm-start steps the policy mostly writes invalid commands, which configs/default.yaml's
+        # invalid_command=fail ends at step 1 (no summary to audit, every reward 0); observe lets episodes reach the
+        # forced compaction, and a normal-initialised value head gives non-zero gradients with every reward 0
+        # (tests/test_faults.py, AUDITABLE).
+        "env.invalid_command=observe", "model.value_head_init=normal"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
 
 
