@@ -170,7 +170,7 @@ class WarmStartConfig:
     steps: int = 200
     batch_episodes: int = 16
     lr: float = 3e-3
-    summary_content: str = "random"  # random | untrained | format (see crl/warm_start.py): never the correct content
+    summary_content: str = "random"  # random | untrained | format | balanced (see crl/warm_start.py): never the correct content
     # stop once the answer probe on train tasks (reading a fact from a correct summary) reaches this; steps is then
     # the maximum. null: exactly `steps` steps
     stop_answer_p: Optional[float] = None
@@ -264,7 +264,7 @@ CHOICES = {
     "tools.sandbox": ("bwrap", "none"),
     "algo.aggregation": ("token_sum_global", "segment_mean", "microbatch_token_mean"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
-    "warm_start.summary_content": ("random", "untrained", "format"),
+    "warm_start.summary_content": ("random", "untrained", "format", "balanced"),
     "env.early_submit": ("accept", "fail"),
     "env.invalid_command": ("observe", "fail"),
     "train.failed_episodes": ("drop", "train"),

@@ -15,6 +15,13 @@ contain, which is what CompactionRL is meant to learn:
   seed 17 it closed the summary right after ``code``); ``"format"``: the likelihood that the position holds *one of*
   the drawn tokens, ``log Σ_{a ∈ A} π(a)`` (``A`` = the four codes), so the summary always carries a code but which
   one is never trained — the choice among them keeps whatever the model does, and RL must make it the right one;
+  ``"balanced"``: ``format`` plus a term that keeps the codes *balanced over the batch*, ``KL(u ‖ m)`` with ``u``
+  uniform over ``A`` and ``m`` the batch mean of each slot's distribution within ``A`` — zero for a slot that is
+  uniform, or that copies the fact, or that picks any code with equal frequency over episodes; large for a slot that
+  writes the same code whatever the episode. Which code goes with which episode is still never trained. Why: with
+  ``format`` alone a seed's slot can start peaked on one or two codes (summary entropy 0.10 nats/token at RL's start
+  on seed 4 of the default task); a code the slot never writes is never tried by RL, and the run ended with one fact
+  always summarized as another (docs/robustness.md);
 * every other batch plays the same tasks without compaction, so the policy also learns to answer from an
   observation it can still see (a protocol skill, not a summary).
 
@@ -28,6 +35,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import random
 from pathlib import Path
 from typing import Callable
@@ -46,7 +54,7 @@ from crl.io import as_write_error, atomic_dir
 FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format tokens from content tokens
 # "format" also reads the set of allowed contents off the draws: 32 miss one of 4 codes with probability 4e-4
 FORMAT_SET_DRAWS = 32
-SUMMARY_CONTENT = ("random", "untrained", "format")
+SUMMARY_CONTENT = ("random", "untrained", "format", "balanced")
 
 
 class WarmStartError(RuntimeError):
@@ -63,9 +71,11 @@ def demonstration_batch(
 ) -> TensorDict:
     """``n_episodes`` oracle episodes on random train tasks, plus the format-only summary segments.
 
-    With ``summary_content="format"`` the batch also holds ``content_alternatives`` ``[B, T, K]``: at each content
-    position of a format-only summary, the distinct tokens the draws put there (``-1`` pads; elsewhere all ``-1``).
+    With ``summary_content="format"`` or ``"balanced"`` the batch also holds ``content_alternatives`` ``[B, T, K]``: at
+    each content position of a format-only summary, the distinct tokens the draws put there (``-1`` pads; elsewhere
+    all ``-1``).
     """
+    as_set = summary_content in ("format", "balanced")  # the slot is scored as "one of the drawn tokens"
     rows, content, n_rows = [], [], 0  # content: (row index, position, allowed token ids)
     tasks = suite.tasks("train")
     for _ in range(n_episodes):
@@ -76,7 +86,7 @@ def demonstration_batch(
         def summarize(env, ctx):
             """Resume from the correct summary, frozen; train a format-only summary segment beside it."""
             correct = oracle_summary_ids(env, ctx, encode, eos_id)
-            n_draws = FORMAT_SET_DRAWS if summary_content == "format" else FORMAT_DRAWS
+            n_draws = FORMAT_SET_DRAWS if as_set else FORMAT_DRAWS
             draws = [list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id] for _ in range(n_draws)]
             shaped = draws[0]
             row = build_episode([ctx.summary_segment(shaped, [0.0] * len(shaped))], 0, 0.0, EpisodeStatus.TRUNCATED)
@@ -86,7 +96,7 @@ def demonstration_batch(
                 for i in range(len(shaped) - 1):  # the closing EOS is always format
                     if any(len(d) != len(shaped) or d[i] != shaped[i] for d in draws):
                         row["loss_mask"][0, start + i] = False
-                        if summary_content == "format" and aligned:
+                        if as_set and aligned:
                             slots.append((len(extra), start + i, sorted({d[i] for d in draws})))
             extra.append(row)
             return correct, True
@@ -98,7 +108,7 @@ def demonstration_batch(
         rows += extra
         n_rows += len(extra)
     batch = concat_episodes(rows)
-    if summary_content == "format":
+    if as_set:
         alt = torch.full((*batch["tokens"].shape, max((len(a) for *_, a in content), default=1)), -1, dtype=torch.int64)
         for r, t, allowed in content:
             alt[r, t, : len(allowed)] = torch.tensor(allowed)
@@ -106,19 +116,33 @@ def demonstration_batch(
     return batch
 
 
-def nll_loss(actor_module, batch: TensorDict) -> torch.Tensor:
+def nll_loss(actor_module, batch: TensorDict, balance: bool = False) -> torch.Tensor:
     """Mean negative log-likelihood of the batch's optimized tokens under the actor (teacher forcing):
     ``-(Σ m·log π(x_t) + Σ c·log Σ_{a ∈ A_t} π(a)) / (Σ m + Σ c)``, the second sum over the content positions ``c``
-    of ``content_alternatives`` (``summary_content="format"``; absent: the first sum alone)."""
+    of ``content_alternatives`` (``summary_content="format"``; absent: the first sum alone).
+
+    ``balance`` (``summary_content="balanced"``) adds, per distinct alternative set ``A`` (``K`` tokens), weighted by
+    its share of the content positions, ``KL(u ‖ m) = -log K - (1/K) Σ_k log m_k`` with ``m = mean_c q_c`` over the
+    positions holding ``A`` and ``q_c = softmax_A(log π(a | ·))`` the position's distribution *within* ``A`` (nats; 0
+    iff the codes are equally frequent over the batch)."""
     mask = batch["loss_mask"]
     if "content_alternatives" not in batch.keys():
         out = actor_module(batch.select("tokens", "attention_mask"))
         return -(out["log_prob"] * mask).sum() / mask.sum().clamp_min(1)
     alt = batch["content_alternatives"]
     # the wrapped module (CausalLMLogProbs, or a DeepSpeed engine around it) takes the alternatives directly
-    log_prob, _, log_prob_set = actor_module.module(batch["tokens"], batch["attention_mask"], alternatives=alt)
+    log_prob, _, log_prob_set, per_alternative = actor_module.module(batch["tokens"], batch["attention_mask"], alternatives=alt)
     slot = (alt >= 0).any(-1)
-    return -((log_prob * mask).sum() + (log_prob_set * slot).sum()) / (mask.sum() + slot.sum()).clamp_min(1)
+    loss = -((log_prob * mask).sum() + (log_prob_set * slot).sum()) / (mask.sum() + slot.sum()).clamp_min(1)
+    if not balance or not bool(slot.any()):
+        return loss
+    sets, within = alt[slot], (per_alternative[slot] - log_prob_set[slot].unsqueeze(-1)).exp()  # [N, K] each
+    imbalance = loss.new_zeros(())
+    for key in torch.unique(sets, dim=0):  # positions with the same set of allowed tokens
+        rows, k = (sets == key).all(-1), key >= 0
+        m = within[rows][:, k].mean(0)  # the batch's code frequencies within this set
+        imbalance = imbalance + rows.float().mean() * (-math.log(int(k.sum())) - m.log().mean())
+    return loss + imbalance
 
 
 def answer_probability(actor_module: TensorDictModule, suite, engine: CompactionEngine, encode, eos_id: int, *,
@@ -219,7 +243,7 @@ def warm_start(
         batch = demonstration_batch(stages[i][0], engines[i][step % 2], encode, eos_id, batch_episodes, rng, summary_content)
         if device is not None:
             batch = batch.to(device)
-        loss = nll_loss(actor_module, batch)
+        loss = nll_loss(actor_module, batch, balance=summary_content == "balanced")
         if opt is None:
             optimizer_step(loss)
         else:

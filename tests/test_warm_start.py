@@ -182,3 +182,30 @@ def test_stopping_rule_ends_the_warm_start_when_the_probe_reads():
     full = runs[1.0]
     assert [s for s, m in full if "warm_start/answer_p_train" in m] == [4 - 12, 9 - 12, -1]
     assert full[-1][1]["warm_start/steps"] == 12 and 0 < full[-1][1]["warm_start/answer_p_summary"] < 1
+
+
+def test_balanced_content_adds_the_batch_imbalance_of_the_codes():
+    """``balanced``: the same alternatives as ``format``, and the loss adds ``KL(u || m)``, ``m`` the batch mean of each
+    slot's distribution within its allowed codes — checked against a plain loop over the raw LM's softmax; zero for a
+    model whose slot distribution is uniform over the codes, never a term that prefers the task's own code."""
+    from crl.warm_start import nll_loss
+
+    batch = demonstration_batch(SUITE, CompactionEngine(CFG, encode, eos_id=EOS_ID), encode, EOS_ID, 6, random.Random(1), "balanced")
+    lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+    actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    alt = batch["content_alternatives"]
+    with torch.no_grad():
+        gap = float(nll_loss(actor, batch, balance=True) - nll_loss(actor, batch))
+        within = []
+        for r, t in (alt >= 0).any(-1).nonzero().tolist():
+            n = int(batch["attention_mask"][r].sum())
+            probs = torch.softmax(lm(input_ids=batch["tokens"][r : r + 1, :n]).logits[0, t - 1].double(), -1)
+            codes = [a for a in alt[r, t].tolist() if a >= 0]
+            within.append(probs[codes] / probs[codes].sum())
+        m = torch.stack(within).mean(0)
+    assert len(within) == 6 and gap == pytest.approx(sum(0.25 * math.log(0.25 / float(x)) for x in m), rel=1e-4) and gap > 0
+    # a slot that is uniform over the codes has no imbalance: equal logits for the four codes everywhere
+    codes = sorted(TOK.convert_tokens_to_ids([str(d) for d in range(4)]))
+    with torch.no_grad():
+        lm.lm_head.weight[codes] = lm.lm_head.weight[codes[0]].clone()
+        assert float(nll_loss(actor, batch, balance=True) - nll_loss(actor, batch)) == pytest.approx(0.0, abs=1e-6)

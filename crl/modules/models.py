@@ -85,10 +85,12 @@ class CausalLMLogProbs(nn.Module):
     ``forward(..., lm_kwargs={...})`` instead returns the LM's raw output for those keyword arguments (generation
     with a KV cache): :class:`crl.modules.zero3.LockstepEngineLM` samples through a ZeRO-3 engine this way.
 
-    ``forward(..., alternatives=A)`` (``A`` ``[B, T, K]`` token ids, ``-1`` = unused) adds a third output
-    ``log_prob_set`` ``[B, T]``: ``log Σ_{a ∈ A[b, t]} π(a | tokens[b, :t])`` at every position with an alternative,
-    0 elsewhere — the likelihood that position ``t`` holds *some* allowed token, whichever (the warm start's
-    ``summary_content="format"``). Only those positions' full-vocabulary log-probs are formed.
+    ``forward(..., alternatives=A)`` (``A`` ``[B, T, K]`` token ids, ``-1`` = unused) adds a third and a fourth output:
+    ``log_prob_set`` ``[B, T]``, ``log Σ_{a ∈ A[b, t]} π(a | tokens[b, :t])`` at every position with an alternative, 0
+    elsewhere — the likelihood that position ``t`` holds *some* allowed token, whichever (the warm start's
+    ``summary_content="format"``) — and ``log_prob_alternatives`` ``[B, T, K]``, each alternative's own
+    ``log π(A[b, t, k] | tokens[b, :t])`` (``-inf`` for unused entries and elsewhere; ``"balanced"``). Only those
+    positions' full-vocabulary log-probs are formed.
     """
 
     OUTSIDE_TOP_P_LOG_PROB = -100.0
@@ -137,7 +139,8 @@ class CausalLMLogProbs(nn.Module):
         alt = alternatives[rows, cols]
         picked = logp.gather(-1, alt.clamp_min(0)).masked_fill(alt < 0, float("-inf"))
         log_prob_set = torch.zeros_like(log_prob).index_put((rows, cols), picked.logsumexp(-1))
-        return log_prob * keep, entropy * keep, log_prob_set
+        per_alternative = torch.full(alternatives.shape, float("-inf"), dtype=picked.dtype, device=picked.device).index_put((rows, cols), picked)
+        return log_prob * keep, entropy * keep, log_prob_set, per_alternative
 
 
 def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
