@@ -95,14 +95,21 @@ def synthetic_batch(n_rollouts: int, n_compactions: int, vocab: int, seed: int =
     return concat_episodes([synthetic_rollout(r, n_compactions, g, vocab, **kw) for r in range(n_rollouts)])
 
 
-def collected_default_batch(config: str = "configs/default.yaml", episodes: int | None = None, seed: int = 0):
-    """Episodes collected with a config's suite, compaction and preset (untrained weights). Returns (cfg, lm, batch)."""
+#: Untrained weights write invalid commands; with the default's env.invalid_command=fail every episode would end at
+#: step 1, before its forced compaction. Collected batches keep them running to the step limit instead.
+COLLECT_OVERRIDES = ("env.invalid_command=observe",)
+
+
+def collected_default_batch(config: str = "configs/default.yaml", episodes: int | None = None, seed: int = 0,
+                            overrides=COLLECT_OVERRIDES):
+    """Episodes collected with a config's suite, compaction and preset (untrained weights; ``overrides`` on the
+    config). Returns (cfg, lm, batch)."""
     from crl.builders import build_compaction_config, build_suite, build_tokenizer
     from crl.collectors import CompactionCollector
     from crl.config import load_config
     from crl.modules.generation import SamplingParams, make_backend
 
-    cfg = load_config(config)
+    cfg = load_config(config, list(overrides))
     codec = build_tokenizer(cfg)
     lm = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=cfg.compaction.context_capacity,
                          eos_token_id=codec.eos_id, seed=seed)
