@@ -21,7 +21,8 @@ contain, which is what CompactionRL is meant to learn:
   writes the same code whatever the episode. Which code goes with which episode is still never trained. Why: with
   ``format`` alone a seed's slot can start peaked on one or two codes (summary entropy 0.10 nats/token at RL's start
   on seed 4 of the default task); a code the slot never writes is never tried by RL, and the run ended with one fact
-  always summarized as another (docs/robustness.md);
+  always summarized as another. Not the default: on seed 0 the balanced slot stayed uniform and independent of the
+  fact for 100 RL iterations — a uniform slot gives RL no fact dependence to amplify (docs/robustness.md);
 * every other batch plays the same tasks without compaction, so the policy also learns to answer from an
   observation it can still see (a protocol skill, not a summary).
 
