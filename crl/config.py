@@ -124,6 +124,9 @@ class AlgoConfig:
     clip_eps_high: float = 0.2
     clip_value: Optional[float] = None
     entropy_coef: float = 0.0
+    # constant | linear: the entropy bonus decays linearly to 0 over train.iterations: exploration early, none left
+    # to push a converged policy's entropy back up late (crl.trainer.Trainer.set_entropy_coef)
+    entropy_schedule: str = "constant"
     kl_coef: float = 0.0
     frozen_summary: bool = False  # summaries from a frozen copy of the initial policy, masked from the loss
 
@@ -269,6 +272,7 @@ CHOICES = {
     "env.invalid_command": ("observe", "fail"),
     "train.failed_episodes": ("drop", "train"),
     "train.lr_schedule": ("constant", "linear"),
+    "algo.entropy_schedule": ("constant", "linear"),
     "vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "algo.estimator": ("gae", "group"),
     "algo.group_baseline": ("mean", "leave_one_out"),

@@ -586,6 +586,15 @@ class Trainer:
                     group["lr"] = rates[name]
         return rates
 
+    def set_entropy_coef(self, iteration: int) -> float:
+        """The entropy bonus's weight at ``iteration`` (0-based), set on the policy loss: ``algo.entropy_coef`` times
+        ``1 - iteration / train.iterations`` with ``algo.entropy_schedule=linear``, times 1 with ``constant``. A
+        function of the iteration alone, so a resumed run continues the same schedule."""
+        a = self.cfg.algo
+        frac = 1.0 - iteration / self.cfg.train.iterations if a.entropy_schedule == "linear" else 1.0
+        self.policy_loss.entropy_coeff = a.entropy_coef * frac
+        return self.policy_loss.entropy_coeff
+
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
         """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
         t = self.cfg.train
@@ -943,6 +952,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 self._reset_step_log()
                 rates = self.set_learning_rates(it)
+                entropy_coef = self.set_entropy_coef(it)
                 rollout = self.collect()
                 t_learn = time.perf_counter()
                 batch = self.compute_advantages(rollout)
@@ -961,7 +971,7 @@ class Trainer:
                     self.sync_policy_weights()
                 self.step_log["learner_s"] = time.perf_counter() - t_learn
 
-                log = {**self.iteration_metrics(batch, t0), "train/actor_lr": rates["actor"]}
+                log = {**self.iteration_metrics(batch, t0), "train/actor_lr": rates["actor"], "policy/entropy_coef": entropy_coef}
                 last = it == cfg.train.iterations - 1
                 if (cfg.eval.every and (it + 1) % cfg.eval.every == 0) or last:
                     log["dev/success"] = self.evaluate()

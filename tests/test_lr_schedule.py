@@ -50,3 +50,27 @@ def test_constant_schedule_keeps_the_rates(tmp_path):
 def test_unknown_schedule_fails_at_load():
     with pytest.raises(ConfigValidationError, match=r"train\.lr_schedule"):
         load_config(ROOT / "configs" / "default.yaml", ["train.lr_schedule=cosine"])
+
+
+def test_linear_entropy_schedule_decays_the_bonus_the_loss_uses(tmp_path):
+    """``algo.entropy_schedule=linear``: the policy loss's entropy weight at iteration ``it`` of 3 is
+    ``0.01 · (1 - it/3)`` (read off the loss module at each optimizer step, and logged as ``policy/entropy_coef``);
+    ``constant`` keeps 0.01."""
+    for schedule, expect in (("linear", [0.01 * (1 - it / 3) for it in range(3)]), ("constant", [0.01] * 3)):
+        trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={tmp_path / schedule}", *TINY,
+                                                                            "algo.entropy_coef=0.01", f"algo.entropy_schedule={schedule}"]))
+        used, step = [], trainer._optimizer_step
+
+        def recording(name, mbs, trainer=trainer, step=step, used=used):
+            if name == "actor":
+                used.append(trainer.policy_loss.entropy_coeff)
+            return step(name, mbs)
+
+        trainer._optimizer_step = recording
+        trainer.fit()
+        logged = [json.loads(line) for line in (tmp_path / schedule / "metrics.jsonl").read_text().splitlines()]
+        assert [r["policy/entropy_coef"] for r in logged if "policy/entropy_coef" in r] == pytest.approx(expect)
+        per_it = len(used) // 3
+        assert used == pytest.approx([expect[i // per_it] for i in range(len(used))])
+    with pytest.raises(ConfigValidationError, match=r"algo\.entropy_schedule"):
+        load_config(ROOT / "configs" / "default.yaml", ["algo.entropy_schedule=cosine"])
