@@ -573,12 +573,17 @@ class Trainer:
             self._optimizer_step("critic", mbs)
         self._release_gathered()
 
+    def schedule_fraction(self, schedule: str, iteration: int) -> float:
+        """``1 - iteration / train.iterations`` for a ``linear`` schedule, 1 for ``constant``: the factor of the learning
+        rates (``train.lr_schedule``) and of the entropy bonus (``algo.entropy_schedule``) at ``iteration`` (0-based)."""
+        return 1.0 - iteration / self.cfg.train.iterations if schedule == "linear" else 1.0
+
     def set_learning_rates(self, iteration: int) -> dict:
         """The learning rates of ``iteration`` (0-based), set on both optimizers: ``train.actor_lr`` / ``critic_lr`` times
         ``1 - iteration / train.iterations`` with ``train.lr_schedule=linear`` (CleanRL's ``anneal_lr``), times 1 with
         ``constant``. A function of the iteration alone, so a resumed run continues the same schedule."""
         t = self.cfg.train
-        frac = 1.0 - iteration / t.iterations if t.lr_schedule == "linear" else 1.0
+        frac = self.schedule_fraction(t.lr_schedule, iteration)
         rates = {"actor": t.actor_lr * frac, "critic": t.critic_lr * frac}
         for name, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
             if opt is not None:  # (a DeepSpeed engine's optimizer exposes the same param_groups)
@@ -591,8 +596,7 @@ class Trainer:
         ``1 - iteration / train.iterations`` with ``algo.entropy_schedule=linear``, times 1 with ``constant``. A
         function of the iteration alone, so a resumed run continues the same schedule."""
         a = self.cfg.algo
-        frac = 1.0 - iteration / self.cfg.train.iterations if a.entropy_schedule == "linear" else 1.0
-        self.policy_loss.entropy_coeff = a.entropy_coef * frac
+        self.policy_loss.entropy_coeff = a.entropy_coef * self.schedule_fraction(a.entropy_schedule, iteration)
         return self.policy_loss.entropy_coeff
 
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
