@@ -603,8 +603,9 @@ class Trainer:
         """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
         t = self.cfg.train
         rollouts = batch["rollout_id"].unique()
+        order = torch.Generator().manual_seed(t.seed * 7919 + iteration)  # once per iteration: each epoch a new order
         for _ in range(t.policy_epochs):
-            perm = rollouts[torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(t.seed * 7919 + iteration))]
+            perm = rollouts[torch.randperm(len(rollouts), generator=order)]
             for chunk in perm.tensor_split(t.policy_minibatches):
                 self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]))
         self.policy_version += 1  # the learner's weights moved on: the sampler needs a sync_policy_weights
