@@ -128,6 +128,10 @@ class AlgoConfig:
     # to push a converged policy's entropy back up late (crl.trainer.Trainer.set_entropy_coef)
     entropy_schedule: str = "constant"
     kl_coef: float = 0.0
+    # null | > 0: stop an iteration's policy steps once the approximate KL to the sampling policy, measured by a step's
+    # own forward on its minibatch, exceeds 1.5 x target_kl; that step is not applied (SB3's PPO target_kl;
+    # crl.trainer.Trainer.update_policy). Not with DeepSpeed, whose engine steps inside the accumulation loop.
+    target_kl: Optional[float] = None
     frozen_summary: bool = False  # summaries from a frozen copy of the initial policy, masked from the loss
 
 
@@ -404,6 +408,9 @@ def validate(cfg: Config) -> None:
         raise ConfigValidationError(f"{'/'.join(f'algo.{name}' for name in err.option.split('/'))}: {err.reason}") from None
     _need(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algo.clip_eps_low/high", "must be > 0")
     _need(a.clip_value is None or a.clip_value > 0, "algo.clip_value", "must be > 0 or null")
+    _need(a.target_kl is None or a.target_kl > 0, "algo.target_kl", f"must be > 0 or null, got {a.target_kl}")
+    _need(a.target_kl is None or cfg.deepspeed.config is None, "algo.target_kl",
+          "is not supported with DeepSpeed (its engine steps inside the accumulation loop, before the step's KL is known): set it to null or deepspeed.config to null")
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
     preset = cfg.model.preset
     _need(preset in PRESETS or (bool(preset) and Path(preset).is_dir()), "model.preset", f"{preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")

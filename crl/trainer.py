@@ -12,7 +12,8 @@ One iteration (``Trainer.fit`` reads top to bottom; every phase is a method you 
 2. :meth:`Trainer.compute_advantages` — the critic writes ``state_value``, :class:`CrossTrajectoryGAE` writes
    ``advantage`` and ``value_target`` (per segment: rollouts may span ranks);
 3. :meth:`Trainer.update_critic` — ``train.critic_updates`` critic steps; :meth:`Trainer.update_policy` — after
-   ``train.critic_warmup_iterations``, ``policy_epochs`` × ``policy_minibatches`` policy steps; each optimizer step
+   ``train.critic_warmup_iterations``, ``policy_epochs`` × ``policy_minibatches`` policy steps (fewer when
+   ``algo.target_kl`` stops them); each optimizer step
    is normalised by the optimized-token count of the whole step over all ranks and micro-batches (Eq. 12);
 4. :meth:`Trainer.sync_policy_weights` — the sampler sees the updated weights;
 5. :meth:`Trainer.evaluate`, curriculum, :meth:`Trainer.save_checkpoint` and :meth:`Trainer.write_evidence`.
@@ -146,6 +147,8 @@ class Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))  # the rank on this machine (vLLM engine placement)
         self.is_main = self.rank == 0
         self.device = self.accelerator.device  # every tensor the trainer makes lives here (models, batches, collectives)
+        if self.use_ds and cfg.algo.target_kl is not None:  # (accelerate's own DeepSpeed plugin, not deepspeed.config)
+            raise ConfigValidationError("algo.target_kl is not supported with DeepSpeed (its engine steps inside the accumulation loop): set it to null")
         if self.use_ds and cfg.model.share_critic_backbone:
             raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed (two engines cannot share parameters)")
         if cfg.model.backend == "vllm" and cfg.vllm.sleep_between_phases and not torch.cuda.is_available():
@@ -600,14 +603,29 @@ class Trainer:
         return self.policy_loss.entropy_coeff
 
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
-        """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order)."""
+        """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order).
+
+        With ``algo.target_kl``: before each step after the iteration's first, its forward's approximate KL to the
+        sampling policy, ``KL̂ = Σ_t [(ρ_t - 1) - log ρ_t] / n`` over the step's optimized tokens on every rank
+        (Schulman's k3 estimator; ρ_t the new/old probability ratio; nats per token), is compared with
+        ``1.5 × target_kl``: above it the step is not applied and the iteration's policy update ends there (SB3's
+        ``target_kl``). The first step starts from the sampling weights (KL̂ = 0 up to float noise) and is always
+        applied. Logged: ``policy/steps`` (steps applied), ``policy/kl_stop`` (1 when stopped)."""
         t = self.cfg.train
         rollouts = batch["rollout_id"].unique()
+        steps, stopped = 0, False
         order = torch.Generator().manual_seed(t.seed * 7919 + iteration)  # once per iteration: each epoch a new order
         for _ in range(t.policy_epochs):
             perm = rollouts[torch.randperm(len(rollouts), generator=order)]
             for chunk in perm.tensor_split(t.policy_minibatches):
-                self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]))
+                max_kl = None if steps == 0 or self.cfg.algo.target_kl is None else 1.5 * self.cfg.algo.target_kl
+                if not self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]), max_kl=max_kl):
+                    stopped = True
+                    break
+                steps += 1
+            if stopped:
+                break
+        self.step_log["policy_steps"], self.step_log["kl_stop"] = steps, stopped
         self.policy_version += 1  # the learner's weights moved on: the sampler needs a sync_policy_weights
         self._release_gathered()
 
@@ -719,9 +737,11 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------------------------------ optimizer steps
-    def _optimizer_step(self, name: str, mbs: list[TensorDict]) -> None:
+    def _optimizer_step(self, name: str, mbs: list[TensorDict], max_kl: float | None = None) -> bool:
         """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`):
-        backward per micro-batch, clip, step.
+        backward per micro-batch, clip, step. Returns whether the step was applied: with ``max_kl`` (the actor,
+        no DeepSpeed), a step whose token-weighted ``approx_kl`` over all micro-batches and ranks exceeds it is
+        dropped (gradients zeroed, no grad norm listed; its loss metrics are still logged).
 
         Every micro-batch's loss is its masked *sum* divided by the step's global token count (all micro-batches,
         all ranks), so the gradient does not depend on how the batch is split. Records the pre-clipping grad
@@ -742,6 +762,16 @@ class Trainer:
             else:
                 self.accelerator.backward(loss)
             outs.append(out)
+        log = self.step_log
+        if max_kl is not None:
+            kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
+                                             dtype=torch.float64, device=self.device).reshape(-1, 2).sum(0))
+            if float(kl[0]) > max_kl * float(kl[1]):
+                opt.zero_grad(set_to_none=True)
+                for out in outs:
+                    for key, val in out.items():
+                        log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
+                return False
         if self.use_ds:
             gn = model.get_global_grad_norm()
             gn = float(gn) if gn is not None else float("nan")
@@ -749,7 +779,6 @@ class Trainer:
             gn = float(self.accelerator.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
-        log = self.step_log
         if name == "actor" and "entropy" not in log and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
             # the iteration's first policy step: every row, forwarded with the weights that sampled it
             log["entropy"] = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
@@ -759,6 +788,7 @@ class Trainer:
         for out in outs:
             for key, val in out.items():
                 log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
+        return True
 
     def _reset_step_log(self) -> None:
         """``step_log``: the grad norms, normalizers and loss metrics of the optimizer steps since the reset (and, once
@@ -815,6 +845,9 @@ class Trainer:
             finite = [v for v in vals if math.isfinite(v)]
             if finite and not key.split("/")[-1].startswith(("sum_", "num_")):
                 log[key] = float(np.mean(finite))
+        if "policy_steps" in self.step_log:
+            log["policy/steps"] = float(self.step_log["policy_steps"])
+            log["policy/kl_stop"] = float(self.step_log["kl_stop"])
         for name in ("actor", "critic"):
             if self.step_log["grad_norms"][name]:
                 log[f"grad_norm/{name}"] = float(np.mean(self.step_log["grad_norms"][name]))

@@ -19,10 +19,10 @@ def run(run_dir, *overrides):
     seen = []
     step = trainer._optimizer_step
 
-    def recording(name, mbs):  # the rate each optimizer step really used
+    def recording(name, mbs, **kw):  # the rate each optimizer step really used
         opt = trainer.actor_opt if name == "actor" else trainer.critic_opt
         seen.append((name, opt.param_groups[0]["lr"]))
-        return step(name, mbs)
+        return step(name, mbs, **kw)
 
     trainer._optimizer_step = recording
     trainer.fit()
@@ -61,10 +61,10 @@ def test_linear_entropy_schedule_decays_the_bonus_the_loss_uses(tmp_path):
                                                                             "algo.entropy_coef=0.01", f"algo.entropy_schedule={schedule}"]))
         used, step = [], trainer._optimizer_step
 
-        def recording(name, mbs, trainer=trainer, step=step, used=used):
+        def recording(name, mbs, trainer=trainer, step=step, used=used, **kw):
             if name == "actor":
                 used.append(trainer.policy_loss.entropy_coeff)
-            return step(name, mbs)
+            return step(name, mbs, **kw)
 
         trainer._optimizer_step = recording
         trainer.fit()
