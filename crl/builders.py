@@ -38,16 +38,21 @@ def build_suite(cfg, stage=None):
                                   early_submit=e.early_submit, invalid_command=e.invalid_command)
 
 
+def eval_share(episodes: int, rank: int, world: int) -> int:
+    """Rank ``rank``'s share of an evaluation of ``episodes`` episodes over ``world`` ranks: the global episodes
+    ``rank, rank + world, ... < episodes`` (0 when ``episodes < world`` leaves the rank none)."""
+    return len(range(rank, episodes, world))
+
+
 def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_format, *, evaluation: bool = False,
                     frozen_backend=None, rank: int = 0, world: int = 1, progress: bool = False):
     """The :class:`~crl.collectors.CompactionCollector` of ``split`` on curriculum ``stage`` (None: the env's own task).
 
     Training (``evaluation=False``): ``train.episodes_per_batch`` sampled tasks per batch at ``model.temperature``.
-    Evaluation: ``ceil(eval.episodes / world)`` episodes per rank, the split's tasks in order (rank ``r`` plays
-    tasks ``r, r + world, ...``), at ``eval.temperature``. ``frozen_backend``: summaries from a frozen copy (the
+    Evaluation: rank ``r`` plays global episodes ``r, r + world, ... < eval.episodes`` (:func:`eval_share` of them),
+    the split's tasks in that order, at ``eval.temperature``: ``eval.episodes`` in all, whatever the world size. ``frozen_backend``: summaries from a frozen copy (the
     frozen-summary ablation). Shared by the trainer and ``scripts/evaluate.py``, so both play the same episodes.
     """
-    import math
 
     from crl.collectors import CompactionCollector
     from crl.modules.generation import SamplingParams
@@ -58,7 +63,7 @@ def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_
     temperature = cfg.eval.temperature if evaluation else cfg.model.temperature
     return CompactionCollector(
         suite, split, backend, codec.encode, codec.decode, codec.eos_id, build_compaction_config(cfg, suite),
-        episodes_per_batch=math.ceil(cfg.eval.episodes / world) if evaluation else cfg.train.episodes_per_batch,
+        episodes_per_batch=eval_share(cfg.eval.episodes, rank, world) if evaluation else cfg.train.episodes_per_batch,
         sampling=SamplingParams(temperature=temperature, top_p=cfg.model.top_p, stop_token_ids=(codec.eos_id,)),
         max_action_tokens=cfg.model.max_action_tokens, summary_backend=frozen_backend, rank=rank, world_size=world,
         seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
@@ -272,14 +277,12 @@ def build_chat_collector(cfg, split: str, backend, codec: "TextCodec", *, evalua
                          progress: bool = False):
     """The :class:`crl.torchrl_llm.collector.ChatCollector` of ``split`` (``env.name: torchrl_chat``): the same episode
     counts, temperatures, seeds and task order as :func:`build_collector`."""
-    import math
-
     from crl.torchrl_llm.collector import ChatCollector
 
     texts = chat_compaction_texts(cfg)
     return ChatCollector(
         build_chat_suite(cfg, codec.tokenizer), split, backend, codec.tokenizer, build_compaction_config(cfg, None),
-        episodes_per_batch=math.ceil(cfg.eval.episodes / world) if evaluation else cfg.train.episodes_per_batch,
+        episodes_per_batch=eval_share(cfg.eval.episodes, rank, world) if evaluation else cfg.train.episodes_per_batch,
         temperature=cfg.eval.temperature if evaluation else cfg.model.temperature, top_p=cfg.model.top_p,
         max_new_tokens=cfg.model.max_action_tokens, task_seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, rank=rank,
         world_size=world, tasks_in_order=evaluation, group_size=1 if evaluation else cfg.train.group_size, texts=texts, progress=progress,

@@ -9,7 +9,7 @@ checkpoint reproduces the trainer's evaluation of those weights exactly (tests/t
 """
 from __future__ import annotations
 
-from crl.builders import build_collector
+from crl.builders import build_collector, eval_share
 from crl.collectors import episode_stats
 from crl.modules.generation import stream_seed
 
@@ -29,6 +29,8 @@ def evaluate_policy(cfg, stage, split: str, backend, codec, prompt_format, *, fr
     ``backend`` / ``frozen_backend`` sample with the seeds of :func:`evaluation_seeds` (the caller forks or builds
     them); ``stage``: a :class:`crl.config.CurriculumStage` or None (the env's own task).
     """
+    if eval_share(cfg.eval.episodes, rank, world) == 0:  # more ranks than episodes: this rank plays none
+        return episode_stats([])
     col = build_collector(cfg, split, stage, backend, codec, prompt_format, evaluation=True, frozen_backend=frozen_backend,
                           rank=rank, world=world, progress=progress)
     col.collect()

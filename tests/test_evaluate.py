@@ -69,3 +69,33 @@ def test_evaluate_script_command_line(tmp_path):
     assert json.loads((run / "eval_test_6.json").read_text()) == report
     bad = subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "config.yaml not found" in bad.stderr
+
+
+@pytest.mark.parametrize("episodes, world", [(4, 3), (2, 3), (5, 2), (6, 3)])
+def test_an_evaluation_plays_eval_episodes_whatever_the_world_size(episodes, world, monkeypatch):
+    """``eval.episodes`` episodes in all, global episodes ``0 .. E-1`` once each (so the split's first ``E`` tasks),
+    spread over ``world`` ranks; a rank left without one plays none (it was ``world · ceil(E / world)``: 6 for 4 on 3
+    ranks, so ``dev/success`` depended on the world size)."""
+    import crl.collectors.compaction_collector as cc
+    from crl.builders import build_prompt_format, build_tokenizer
+    from crl.evaluation import evaluate_policy
+    from crl.modules.generation import TransformersBackend
+    from crl.modules.models import build_causal_lm
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", [f"eval.episodes={episodes}", "logging.wandb_mode=disabled", "logging.progress=false"])
+    codec = build_tokenizer(cfg)
+    lm = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=cfg.compaction.context_capacity,
+                         eos_token_id=codec.eos_id).eval()
+    ids, next_task = [], cc.CompactionCollector._next_task
+
+    def recording(self, n):
+        ids.append(self._rollout_id(n))
+        return next_task(self, n)
+
+    monkeypatch.setattr(cc.CompactionCollector, "_next_task", recording)
+    total = 0
+    for rank in range(world):
+        counts = evaluate_policy(cfg, None, "dev", TransformersBackend(lm, seed=rank), codec, build_prompt_format(cfg, codec),
+                                 rank=rank, world=world)
+        total += counts["episodes"]
+    assert total == episodes and sorted(ids) == list(range(episodes))
