@@ -63,7 +63,7 @@ from crl.modules.generation import make_backend, stream_seed
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.modules.zero3 import LockstepEngineLM, copy_parameters_, zero3_init
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage
-from crl.objectives.distributed import all_reduce_sum
+from crl.objectives.distributed import all_reduce_sum, dist_ready
 from crl.run_dir import RunDirError, RunDirLock, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 from crl.tracking import MetricLogger, plot_curves
 from crl.warm_start import WarmStartError, warm_start, warm_start_cached
@@ -111,6 +111,22 @@ def reduce_stats(stats: dict, device: torch.device | str = "cpu") -> dict:
     keys = sorted(stats)
     vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device))
     return dict(zip(keys, vec.tolist()))
+
+
+def mean_over_ranks(values: dict[str, list[float]], device: torch.device | str = "cpu") -> dict[str, float]:
+    """The mean of each key's finite values pooled over every data-parallel rank (each rank passes its own lists;
+    a key any rank lists is reported, NaN/inf entries are left out, a key with no finite value anywhere is omitted).
+    Every rank gets the same dict. The keys are agreed with one ``all_gather_object``, so the ranks may differ in
+    what they list."""
+    keys = set(values)
+    if dist_ready():
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, sorted(keys))
+        keys = set().union(*map(set, gathered))
+    keys = sorted(keys)
+    finite = [[v for v in values.get(k, []) if math.isfinite(v)] for k in keys]
+    sums = all_reduce_sum(torch.tensor([[sum(f), len(f)] for f in finite], dtype=torch.float64, device=device).reshape(-1, 2))
+    return {k: float(s / n) for k, (s, n) in zip(keys, sums.tolist()) if n > 0}
 
 
 def peak_memory_mb() -> float:
@@ -837,14 +853,14 @@ class Trainer:
             "tokens/execution_per_episode": tok_exec / n_ep,
             "tokens/summary_per_episode": tok_sum / n_ep,
             "perf/collect_tokens_per_s": self.collector.last_stats["generated_tokens_per_s"],
-            "perf/sync_s": self.sync_seconds,
             "perf/iteration_s": time.perf_counter() - t0,
             "curriculum/stage": self.stage,
         }
-        for key, vals in self.step_log["metrics"].items():
-            finite = [v for v in vals if math.isfinite(v)]
-            if finite and not key.split("/")[-1].startswith(("sum_", "num_")):
-                log[key] = float(np.mean(finite))
+        # every rank's micro-batches, not rank 0's alone
+        log.update(mean_over_ranks({k: v for k, v in self.step_log["metrics"].items() if not k.split("/")[-1].startswith(("sum_", "num_"))},
+                                   self.device))
+        if not self.update_skipped:  # no update, no sync: no value (it repeated the previous iteration's)
+            log["perf/sync_s"] = self.sync_seconds
         if "policy_steps" in self.step_log:
             log["policy/steps"] = float(self.step_log["policy_steps"])
             log["policy/kl_stop"] = float(self.step_log["kl_stop"])

@@ -1018,6 +1018,7 @@ def test_an_iteration_whose_every_episode_failed_skips_the_update(tmp_path, monk
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/update_skipped"] for r in recs if r["step"] > 0] == [0.0, 1.0]
     assert "grad_norm/actor" not in recs[-1] and recs[-1]["episode/failed"] == 4
+    assert "perf/sync_s" in recs[-2] and "perf/sync_s" not in recs[-1]  # no update, no sync (it repeated the last one)
     ev = tmp_path / "run" / "evidence" / "iter_000001" / "rank_0"
     assert json.loads((ev / "grad_norms.json").read_text()) == {"actor": [], "critic": []}
     assert load_episodes(ev / "training.pt").batch_size[0] == 0 and len(_statuses_of(ev / "rollout.pt")) == 4
