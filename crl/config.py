@@ -241,6 +241,9 @@ class ToolsConfig:
     timeout_s: float = 5.0  # wall clock of one tool call
     memory_mb: int = 512  # address-space limit of the tool's process
     max_output_bytes: int = 4096  # tool output kept (the rest is dropped and marked)
+    # host paths (absolute, existing) tool code may read, at the same place, read-only; bwrap mode shows nothing else
+    # of the host but /usr, a few /etc files and the interpreter's directories (crl.sandbox)
+    sandbox_ro_paths: list = field(default_factory=list)
 
 
 @dataclass
@@ -464,6 +467,9 @@ def validate(cfg: Config) -> None:
           "vllm.cpu_threads_bind", f"{v.cpu_threads_bind!r} is neither rank, auto nor a core list like 0-3 or 0,2")
     if cfg.deepspeed.config is not None:
         _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")
+    for path in cfg.tools.sandbox_ro_paths:
+        _need(isinstance(path, str) and Path(path).is_absolute() and Path(path).exists(), "tools.sandbox_ro_paths",
+              f"{path!r} is not an existing absolute path")
     # Token budgets need token lengths (the run's tokenizer): crl.builders.check_budgets, when a Trainer is built.
 
 

@@ -2,12 +2,15 @@
 
 Two modes (``SANDBOX_MODES``):
 
-* ``"bwrap"`` (bubblewrap, ``apt-get install bubblewrap``): the host's ``/`` read-only, a private size-limited tmpfs
-  on ``/tmp`` holding the scratch directory ``SCRATCH`` (cwd and ``$HOME``; the ``files`` are copied in, so every
-  run starts from the same fresh directory and nothing is left on the host), fresh network (no interfaces, loopback
-  included), PID, IPC and UTS namespaces, a minimal ``/proc`` and ``/dev``, a cleared environment, and ``/root`` and
-  the caller's ``$HOME`` hidden behind empty tmpfs (the interpreter's own directories are bound back), so tool
-  code cannot read ssh keys or API tokens. The code runs as uid ``SANDBOX_UID`` (nobody).
+* ``"bwrap"`` (bubblewrap, ``apt-get install bubblewrap``): a minimal view of the host (:data:`SYSTEM_DIRS`: ``/usr``
+  and the ``/bin``, ``/lib*``, ``/sbin`` links or directories; the few ``/etc`` files of :data:`ETC_FILES`; the
+  interpreter's own directories; extra ``ro_paths``), all read-only — ``/home``, ``/root``, ``/var``, ``/run``,
+  ``/opt``, ``/srv``, ``/mnt``, the checkout and run directories are absent, so tool code cannot read ssh keys, API
+  tokens, checkpoints or logs, nor reach a host unix socket under ``/run`` or ``/var``; a private size-limited tmpfs on
+  ``/tmp`` holding the scratch directory ``SCRATCH`` (cwd and ``$HOME``; the ``files`` are copied in, so every run
+  starts from the same fresh directory and nothing is left on the host), fresh network (only a private loopback),
+  PID, IPC and UTS namespaces, a minimal ``/proc`` and ``/dev``, a cleared environment. The code runs as uid
+  ``SANDBOX_UID`` (nobody).
 * ``"none"``: the same limits, timeout and output cap on a plain subprocess in a temporary directory, **without any
   isolation**: the code can read and write whatever the caller can and reach the network (the caller warns).
 
@@ -62,6 +65,9 @@ SANDBOX_MODES = ("bwrap", "none")
 SANDBOX_UID = SANDBOX_GID = 65534  # nobody/nogroup: the uid tool code runs as in bwrap mode
 SCRATCH = "/tmp/work"  # the scratch directory inside the bwrap sandbox (cwd and $HOME)
 CODE_PATH = "/tmp/main.py"  # the code's file inside the bwrap sandbox (outside SCRATCH: the code sees only its files)
+# The host's view inside (bwrap mode): what an interpreter needs and nothing else (nsjail's and flatpak's approach).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # a symlink stays one (merged /usr)
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
 _KILL_GRACE_S = 2.0  # after the kill, how long the pipes may take to close before we stop reading
 _READ_CHUNK = 1 << 16
 _FIX = ("install bubblewrap (`apt-get install bubblewrap`, which `make setup` does as root) "
@@ -241,32 +247,6 @@ def _inside(path: str, parent: str) -> bool:
     return parent == "/" or path.startswith(parent.rstrip("/") + "/")
 
 
-def _hidden_dirs(needed: tuple[str, ...], root: bool) -> list[tuple[str, list[str]]]:
-    """Directories to cover with an empty tmpfs, each with the needed directories inside it to bind back:
-    ``/root`` and ``$HOME`` (secrets), and, for a root caller, any directory on the way to the interpreter that
-    uid nobody cannot enter (it is bound back, so nobody can run it)."""
-    candidates = ["/root", os.path.expanduser("~")]
-    if root:
-        for d in needed:
-            parts = PurePosixPath(d).parts
-            for i in range(2, len(parts) + 1):
-                anc = str(PurePosixPath(*parts[:i]))
-                try:
-                    if not os.stat(anc).st_mode & 0o001:
-                        candidates.append(anc)
-                        break
-                except OSError:
-                    break
-    hidden: list[str] = []
-    for h in sorted({os.path.realpath(c) for c in candidates if c}, key=len):
-        if h == "/" or not os.path.isdir(h) or any(h == d or _inside(h, d) for d in needed):
-            continue  # hiding it would hide the interpreter itself
-        if any(_inside(h, o) for o in hidden):
-            continue  # already under a hidden one
-        hidden.append(h)
-    return [(h, [d for d in needed if _inside(d, h)]) for h in hidden]
-
-
 def _source(code: str) -> bytes:
     """The code as UTF-8 (a lone surrogate, which UTF-8 cannot hold, becomes '?': the run reports what follows)."""
     return code.encode("utf-8", "replace")
@@ -291,11 +271,13 @@ class Sandbox:
         python: str = sys.executable,
         *,
         bwrap: str | None = None,
+        ro_paths: tuple[str, ...] | list[str] = (),
     ):
-        self._setup(mode, limits, files, python, bwrap)
+        self._setup(mode, limits, files, python, bwrap, ro_paths)
         check_sandbox(mode, bwrap=self.bwrap, python=self.python)
 
-    def _setup(self, mode, limits, files, python, bwrap) -> None:
+    def _setup(self, mode, limits, files, python, bwrap, ro_paths=()) -> None:
+        """``ro_paths``: host paths (absolute, existing) made visible read-only in bwrap mode, at the same place."""
         if mode not in SANDBOX_MODES:
             raise ValueError(f"unknown sandbox mode {mode!r}: use one of {SANDBOX_MODES}")
         if not isinstance(limits, SandboxLimits):
@@ -308,11 +290,15 @@ class Sandbox:
         if len(self.files) != len(files):
             raise ValueError(f"Sandbox files: two names denote the same file: {sorted(files)}")
         self.bwrap = _resolve_bwrap(bwrap) if mode == "bwrap" else None
+        for path in ro_paths:
+            if not (os.path.isabs(path) and os.path.exists(path)):
+                raise ValueError(f"Sandbox ro_paths: {path!r} must be an existing absolute path (tools.sandbox_ro_paths)")
+        self.ro_paths = tuple(os.path.realpath(p) for p in ro_paths)
 
     @classmethod
-    def _unchecked(cls, mode, limits, files, python, bwrap) -> "Sandbox":
+    def _unchecked(cls, mode, limits, files, python, bwrap, ro_paths=()) -> "Sandbox":
         self = cls.__new__(cls)
-        self._setup(mode, limits, files, python, bwrap)
+        self._setup(mode, limits, files, python, bwrap, ro_paths)
         return self
 
     def __repr__(self) -> str:
@@ -373,22 +359,33 @@ class Sandbox:
 
         opts = _bwrap_features(self.bwrap)
         root = os.geteuid() == 0
-        args = [self.bwrap, "--ro-bind", "/", "/"]
-        for hidden, binds in _hidden_dirs(_interpreter_dirs(self.python), root):
-            args += ["--perms", "0755", "--tmpfs", hidden]
-            made = set()
-            for d in binds:  # bwrap would create the directories on the way 0700: nobody could not enter them
-                for p in reversed(PurePosixPath(d).parents):
-                    if _inside(str(p), hidden) and str(p) not in made:
-                        made.add(str(p))
-                        args += ["--perms", "0755", "--dir", str(p)]
+        args = [self.bwrap]
+        for d in SYSTEM_DIRS:
+            if os.path.islink(d):
+                args += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
                 args += ["--ro-bind", d, d]
+        made = {"/"}
+
+        def bind(path: str) -> None:  # bwrap would create the directories on the way 0700: nobody could not enter them
+            nonlocal args
+            for p in reversed(PurePosixPath(path).parents):
+                if str(p) not in made:
+                    made.add(str(p))
+                    args += ["--perms", "0755", "--dir", str(p)]
+            args += ["--ro-bind", path, path]
+
+        visible = [d for d in SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+        for path in (*ETC_FILES, *_interpreter_dirs(self.python), *self.ro_paths):
+            if os.path.lexists(path) and not _inside(path, "/tmp") and not any(path == v or _inside(path, v) for v in visible):
+                bind(path)
+                visible.append(path)
         args += ["--proc", "/proc", "--dev", "/dev"]
         if "--size" in opts:
             args += ["--size", str(self.limits.scratch_mb << 20)]
         args += ["--perms", "1777", "--tmpfs", "/tmp", "--perms", "0777", "--dir", SCRATCH]
         made = set()
-        for d in _interpreter_dirs(self.python):  # an interpreter or venv under /tmp (a CI checkout): bound back read-only
+        for d in (*_interpreter_dirs(self.python), *self.ro_paths):  # under /tmp (a CI checkout's venv): over the tmpfs
             if _inside(d, "/tmp"):
                 for p in reversed(PurePosixPath(d).parents):
                     if _inside(str(p), "/tmp") and str(p) not in made:

@@ -162,3 +162,33 @@ def test_train_py_on_the_tool_task_with_smollm2_one_iteration(smollm2_dir, tmp_p
                    "logging.wandb_mode=disabled", "logging.progress=false"], run_dir)
     rollout = load_episodes(run_dir / "evidence" / "iter_000000" / "rank_0" / "rollout.pt")
     assert (rollout["segment_kind"] == SegmentKind.SUMMARY).any(), "no compaction happened"
+
+
+def test_the_tool_tasks_sandboxes_get_tools_sandbox_ro_paths(tok, tmp_path, monkeypatch):
+    """``tools.sandbox_ro_paths`` reaches both sandboxes of an episode (the tool's and the verifier's): a file under it
+    is readable by tool code, read-only; without the key it is absent (crl.sandbox's minimal view)."""
+    import crl.sandbox
+    from torchrl.envs import Compose
+
+    from crl.config import ToolsConfig
+    from crl.envs.python_tasks import PythonToolSuite
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "table.txt").write_text("42")
+    made = []
+
+    class Recording(crl.sandbox.Sandbox):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(crl.sandbox, "Sandbox", Recording)
+    tasks = PythonTaskSuite(seed=0, n_train=2, n_dev=1, n_test=1, specs=["max_minus_min"])
+    code = f"import os\nprint(open({str(shared / 'table.txt')!r}).read() if os.path.exists({str(shared)!r}) else 'absent')"
+    for ro_paths, expect in (([str(shared)], "42"), ([], "absent")):
+        made.clear()
+        suite = PythonToolSuite(tok, tasks, tools=ToolsConfig(sandbox_ro_paths=ro_paths))
+        suite.make_env(tasks.tasks("train")[0], lambda tool, reward: Compose(tool, reward))
+        assert len(made) == 2 and all(sb.ro_paths == tuple(ro_paths) for sb in made)
+        assert made[0].run(code).stdout.strip() == expect

@@ -128,8 +128,8 @@ def test_cannot_write_outside_scratch(bwrap, monkeypatch):
         res = json.loads(r.stdout)
         for key, path in targets.items():
             assert not path.exists(), f"sandboxed code wrote {path} on the host ({key}: {res[key]})"
-        for key in ("repo", "etc", "root", "home"):  # the host's / is read-only; $HOME an empty tmpfs not ours
-            assert res[key].startswith(("OSError: [Errno 30] Read-only file system", "PermissionError")), res
+        for key in ("repo", "etc", "root", "home"):  # absent (the minimal view), or read-only / not ours where bound
+            assert res[key].startswith(("OSError: [Errno 30] Read-only file system", "PermissionError", "FileNotFoundError")), res
         assert res["tmp"] == "written"  # a private tmpfs: written, and gone with the run
         assert res["scratch"] == "written" and res["secret"] is None, res
     finally:
@@ -139,8 +139,8 @@ def test_cannot_write_outside_scratch(bwrap, monkeypatch):
 
 
 def test_host_home_is_hidden(bwrap):
-    """The host's $HOME (ssh keys, API tokens) is an empty tmpfs inside; only the interpreter's directories under it
-    (e.g. ~/.pyenv) are bound back."""
+    """The host's $HOME (ssh keys, API tokens) is absent inside; only the interpreter's directories under it (e.g.
+    ~/.pyenv) are there, read-only."""
     from crl.sandbox import _interpreter_dirs
 
     home = os.path.realpath(os.path.expanduser("~"))
@@ -150,10 +150,73 @@ def test_host_home_is_hidden(bwrap):
     secret = Path(home) / f".crl-sandbox-secret-{uuid.uuid4().hex}"
     secret.write_text("token")
     try:
-        r = Sandbox().run(f"import json, os; print(json.dumps(sorted(os.listdir({home!r}))))")
+        r = Sandbox().run(f"import json, os; print(json.dumps(sorted(os.listdir({home!r})) if os.path.isdir({home!r}) else []))")
     finally:
         secret.unlink()
     assert set(json.loads(r.stdout)) == bound, r
+
+
+def test_only_what_the_interpreter_needs_is_visible(bwrap, tmp_path):
+    """A minimal view (issue 28): /usr and its links, a few /etc files, the interpreter's directories — nothing else.
+    World-readable host files outside them (/var/tmp, /opt, the checkout's source, a run directory) and host unix
+    sockets under /run or /var are absent; ``ro_paths`` adds a path back, read-only."""
+    from crl.sandbox import ETC_FILES, SYSTEM_DIRS, _interpreter_dirs
+
+    spots = [d for d in ("/var/tmp", "/opt", "/srv", "/mnt", "/run") if os.path.isdir(d) and os.access(d, os.W_OK)]
+    planted = []
+    for d in spots:
+        f = Path(d) / f"crl-sandbox-visible-{uuid.uuid4().hex}"
+        f.write_text("host file")
+        planted.append(str(f))
+    sock_path = f"/run/crl-sandbox-{uuid.uuid4().hex}.sock" if "/run" in spots else None
+    srv = None
+    if sock_path:
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(sock_path)
+        srv.listen(1)
+        srv.settimeout(0.5)
+    source = str(REPO / "crl" / "sandbox.py")
+    extra = tmp_path.parent / f"extra-{uuid.uuid4().hex}"  # under /tmp: bound over the private tmpfs
+    extra.mkdir()
+    (extra / "data.txt").write_text("shared")
+    probe = textwrap.dedent(f"""
+        import json, os, socket
+        seen = {{p: os.path.exists(p) for p in {planted + [source]!r}}}
+        conn = None
+        if {sock_path!r}:
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect({sock_path!r}); conn = "connected"
+            except OSError as e:
+                conn = type(e).__name__
+        try:
+            open({str(extra / "new.txt")!r}, "w"); wrote = True
+        except OSError:
+            wrote = False
+        print(json.dumps({{"seen": seen, "root": sorted(os.listdir("/")), "conn": conn,
+                          "extra": open({str(extra / "data.txt")!r}).read(), "wrote": wrote}}))
+    """)
+    try:
+        r = Sandbox(ro_paths=[str(extra)]).run(probe)
+        assert r.returncode == 0, r.as_observation()
+        out = json.loads(r.stdout)
+        if srv is not None:
+            with pytest.raises(socket.timeout):
+                srv.accept()
+    finally:
+        for f in planted:
+            os.unlink(f)
+        if srv is not None:
+            srv.close()
+            os.unlink(sock_path)
+        shutil.rmtree(extra)
+    assert not any(out["seen"].values()), out["seen"]
+    assert out["conn"] in (None, "FileNotFoundError"), out["conn"]
+    allowed = {Path(p).parts[1] for p in (*SYSTEM_DIRS, *ETC_FILES, *_interpreter_dirs(sys.executable))} | {"proc", "dev", "tmp"}
+    assert set(out["root"]) <= allowed, set(out["root"]) - allowed
+    assert out["extra"] == "shared" and not out["wrote"]
+    with pytest.raises(ValueError, match="ro_paths"):
+        Sandbox(ro_paths=["relative/path"])
 
 
 def test_runs_unprivileged(bwrap):
@@ -318,7 +381,7 @@ def test_non_root_caller(bwrap, tmp_path):
         assert proc.returncode == 0, proc.stderr
         forks, listing, err = json.loads(proc.stdout)
         assert 4 <= int(forks) < 8, forks
-        assert listing.strip() == f"['a.txt'] {SANDBOX_UID}" and "Read-only file system" in err, (listing, err)
+        assert listing.strip() == f"['a.txt'] {SANDBOX_UID}" and "No such file or directory" in err, (listing, err)  # /var: absent
         assert not target.exists()
     finally:
         shutil.rmtree(work)

@@ -164,6 +164,9 @@ def test_paper_config_loads():
         ("vllm.cpu_kv_cache_gb=0", "vllm.cpu_kv_cache_gb"),
         ("vllm.cpu_threads_bind=core0", "vllm.cpu_threads_bind"),
         ("model.backend=vllm", "model.backend"),  # a preset: vLLM serves a checkpoint directory
+        ("tools.sandbox_ro_paths=[/no/such/dir]", "tools.sandbox_ro_paths"),
+        ("tools.sandbox_ro_paths=[relative]", "tools.sandbox_ro_paths"),
+        ("algo.target_kl=-1", "algo.target_kl"),
     ],
 )
 def test_bad_configs_fail_at_load_naming_the_key(override, key):

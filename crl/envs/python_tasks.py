@@ -770,6 +770,7 @@ class PythonToolSuite:
         limits = {"timeout_s": getattr(tools, "timeout_s", None), "memory_mb": getattr(tools, "memory_mb", None),
                   "max_output_bytes": getattr(tools, "max_output_bytes", None)}
         self.limits = SandboxLimits(**{k: v for k, v in limits.items() if v is not None})
+        self.ro_paths = tuple(getattr(tools, "sandbox_ro_paths", None) or ())
 
     def tasks(self, split: str):
         return self.suite.tasks(split)
@@ -788,8 +789,8 @@ class PythonToolSuite:
         from crl.sandbox import Sandbox
         from crl.torchrl_llm.python_tool import PythonTool
 
-        tool = PythonTool(Sandbox(mode=self.mode, limits=self.limits, files=task.files), skip=is_final)
-        reward = PythonTaskReward([task], Sandbox(mode=self.mode, limits=self.limits))
+        tool = PythonTool(Sandbox(mode=self.mode, limits=self.limits, files=task.files, ro_paths=self.ro_paths), skip=is_final)
+        reward = PythonTaskReward([task], Sandbox(mode=self.mode, limits=self.limits, ro_paths=self.ro_paths))
         env = ChatEnv(batch_size=(1,), input_mode="history", system_prompt=self.system_prompt, tokenizer=self.tokenizer)
         return TransformedEnv(env, compaction(tool, reward))
 
