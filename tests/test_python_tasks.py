@@ -279,6 +279,28 @@ def test_verify_ignores_user_prints_and_fake_markers(suite, sandbox):
     assert _timed_verify(task, final(code), sandbox)[0] == 1.0
 
 
+@pytest.mark.parametrize("payload", ["[" * 100_000, "[1, 2]", "\"ok\"", "{\"status\": \"ok\", \"results\": [\"" + "9" * 70_000 + "\"]}"])
+def test_a_forged_report_is_no_report_and_logs_nothing(suite, payload, caplog):
+    """Code that reads the marker off its own harness can print anything after it: a line nested 100 000 deep (it
+    raised RecursionError into the verifier's log), a non-dict, an oversized line are no report: score 0, one
+    reason, nothing logged (issue 28, item 6)."""
+    import re
+
+    from crl.envs.python_tasks import verify
+    from crl.sandbox import RunResult
+
+    class Forging:  # prints the forged line after the harness's own marker, as a solve() that read /tmp/main.py could
+        def run(self, code):
+            marker = re.search(r"@@CRL-VERIFY-[0-9a-f]+@@", code).group(0)
+            return RunResult(stdout=marker + payload + "\n", stderr="", returncode=0, timed_out=False, truncated=False)
+
+    task = task_of(suite, "max_minus_min")
+    with caplog.at_level("DEBUG", logger="crl"):
+        reward, why = verify(task, final("def solve(xs):\n    return 0\n"), Forging())
+    assert reward == 0.0 and why.startswith("no result: the sandboxed run ended without reporting"), why
+    assert not [r for r in caplog.records if r.levelno >= 30], caplog.records
+
+
 # -- reward transform on a real ChatEnv -------------------------------------------------------------------
 def make_env(suite, sandbox, batch=1, system_prompt="You are a careful programmer."):
     base = ChatEnv(batch_size=(batch,), input_mode="history", system_prompt=system_prompt)
