@@ -11,6 +11,9 @@ Two modes (``SANDBOX_MODES``):
   starts from the same fresh directory and nothing is left on the host), fresh network (only a private loopback),
   PID, IPC and UTS namespaces, a minimal ``/proc`` and ``/dev``, a cleared environment. The code runs as uid
   ``SANDBOX_UID`` (nobody).
+
+Both modes install a seccomp filter (:func:`seccomp_filter`) in the prelude: the syscalls of :data:`DENIED_SYSCALLS`
+(keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts, namespaces, kexec, modules) return ``EPERM``.
 * ``"none"``: the same limits, timeout and output cap on a plain subprocess in a temporary directory, **without any
   isolation**: the code can read and write whatever the caller can and reach the network (the caller warns).
 
@@ -149,11 +152,11 @@ def _signal_name(sig: int) -> str:
 
 # The prelude: runs first in the sandbox (python -I -S: no site, fast), sets the limits, drops privileges where it
 # has them, and execs the code's interpreter, so the code's process and tracebacks are clean and inherit the limits.
-# argv: drop_privileges(0/1) uid gid memory_bytes cpu_s file_size_bytes nproc parent_pid python code_path
+# argv: drop_privileges(0/1) uid gid memory_bytes cpu_s file_size_bytes nproc parent_pid python code_path seccomp_hex
 _PRELUDE = r"""
 import os, resource, sys
 drop, uid, gid, mem, cpu, fsize, nproc, ppid = map(int, sys.argv[1:9])
-python, code = sys.argv[9:11]
+python, code, seccomp = sys.argv[9:12]
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 if ppid:  # mode none: die with the caller (bwrap mode: bwrap --die-with-parent)
@@ -176,12 +179,71 @@ if drop:  # host root: become nobody for real (RLIMIT_NPROC does not apply to ro
             pass
     # else: RLIMIT_NPROC counts every process of the host's uid nobody: still a bound, shared between runs
 libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary can give privileges back
+if seccomp:  # the syscall filter (crl.sandbox.seccomp_filter), after the user namespace above needed unshare
+    prog = bytes.fromhex(seccomp)
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    if libc.prctl(22, 2, ctypes.byref(Fprog(len(prog) // 8, ctypes.addressof(buf))), 0, 0) != 0:  # SECCOMP_MODE_FILTER
+        sys.exit(f"sandbox: the kernel refused the seccomp filter (errno {ctypes.get_errno()})")
 for res, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_CPU, cpu, cpu + 1),
                         (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NPROC, nproc, nproc),
                         (resource.RLIMIT_CORE, 0, 0)):
     resource.setrlimit(res, (soft, hard))
 os.execv(python, [python, "-I", "-B", "-X", "utf8", code])
 """
+
+
+# Syscalls tool code never needs and attack code wants (issue 28; flatpak's and nsjail's lists): the kernel keyring
+# (state shared between calls of one uid), io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts and the new
+# mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot. Denied with EPERM, never a kill.
+DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
+                   "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree", "move_mount",
+                   "fsopen", "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load", "kexec_file_load",
+                   "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot")
+# (AUDIT_ARCH_*, syscall numbers) per machine: x86_64 from arch/x86/entry/syscalls/syscall_64.tbl, aarch64 from the
+# generic table (include/uapi/asm-generic/unistd.h)
+_SYSCALL_TABLES = {
+    "x86_64": (0xC000003E, {"add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425, "io_uring_enter": 426,
+                            "io_uring_register": 427, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "ptrace": 101,
+                            "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+                            "fsconfig": 431, "fsmount": 432, "fspick": 433, "unshare": 272, "setns": 308, "kexec_load": 246,
+                            "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
+                            "swapon": 167, "swapoff": 168, "reboot": 169}),
+    "aarch64": (0xC00000B7, {"add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425, "io_uring_enter": 426,
+                             "io_uring_register": 427, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "ptrace": 117,
+                             "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+                             "fsconfig": 431, "fsmount": 432, "fspick": 433, "unshare": 97, "setns": 268, "kexec_load": 104,
+                             "kexec_file_load": 294, "init_module": 105, "finit_module": 273, "delete_module": 106,
+                             "swapon": 224, "swapoff": 225, "reboot": 142}),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """The classic-BPF seccomp program (``struct sock_filter[]``, native byte order) the prelude installs with
+    ``prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER)``: another architecture than this machine's (e.g. i386 through
+    ``int 0x80``) and, on x86_64, the x32 ABI (numbers >= 2^30) get ``EPERM`` for every call; each of
+    :data:`DENIED_SYSCALLS` gets ``EPERM``; everything else is allowed. Empty (no filter) on a machine without a
+    table here. Written by hand rather than with libseccomp: 30 instructions, no system package for CI to install."""
+    import platform
+    import struct
+
+    arch, numbers = _SYSCALL_TABLES.get(machine or platform.machine(), (None, None))
+    if arch is None:
+        return b""
+    LD_ABS, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, ..|BPF_JGE|.., BPF_RET|BPF_K
+    ALLOW, EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    body = [(LD_ABS, 0, 0, 4), (JEQ, 0, None, arch), (LD_ABS, 0, 0, 0)]  # seccomp_data.arch at 4, .nr at 0
+    if arch == 0xC000003E:
+        body.append((JGE, None, 0, 0x40000000))  # __X32_SYSCALL_BIT
+    body += [(JEQ, None, 0, numbers[name]) for name in DENIED_SYSCALLS]
+    deny = len(body) + 1  # body, then RET ALLOW, then RET EPERM
+    prog = []
+    for i, (code, jt, jf, k) in enumerate(body):  # None: a jump to the EPERM return (relative to the next instruction)
+        prog.append((code, deny - i - 1 if jt is None else jt, deny - i - 1 if jf is None else jf, k))
+    prog += [(RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
 
 def _minimal_env(home: str, tmp: str) -> dict[str, str]:
@@ -331,7 +393,7 @@ class Sandbox:
         lim = self.limits
         nums = (int(drop), SANDBOX_UID, SANDBOX_GID, lim.memory_mb << 20, lim.cpu_s, lim.file_size_mb << 20,
                 lim.max_processes, ppid)
-        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path]
+        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path, seccomp_filter().hex()]
 
     def _plain_argv(self, code: str, run_dir: str):
         scratch, tmp = os.path.join(run_dir, "work"), os.path.join(run_dir, "tmp")
