@@ -1,0 +1,75 @@
+"""Benchmark: the per-call cost of each sandbox defence (not a test; issue 28).
+
+Runs ``--calls`` trivial tool calls (``print(sum(range(100)))``) through :class:`crl.sandbox.Sandbox` in each setting,
+interleaved round-robin (one call of each setting in turn) so that load on a shared machine hits every setting
+alike, and prints the median and mean wall time per call and each setting's ratio to the full sandbox:
+
+* ``full``           — the default: minimal view + seccomp filter + rlimits (bwrap mode)
+* ``no_seccomp``     — the same without the syscall filter (``seccomp_filter`` returning no program)
+* ``full_view``      — every other world-readable top-level directory of the host bound read-only too (``ro_paths``:
+                       ``/var``, ``/opt``, ``/home``, ...), with the filter: roughly the old whole-``/`` view's cost
+* ``none``           — mode ``none``: a plain subprocess with the rlimits and the filter, no isolation
+
+Run: ``python benchmarks/bench_sandbox.py [--calls 200]`` (about a minute per 100 calls per setting on 2 cores).
+Writes ``--out`` (JSON) when given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from unittest import mock
+
+import crl.sandbox
+from crl.sandbox import Sandbox
+
+CODE = "print(sum(range(100)))"
+
+
+def host_dirs() -> tuple[str, ...]:
+    import os
+
+    from crl.sandbox import SYSTEM_DIRS
+
+    return tuple(sorted(d for d in (os.path.join("/", n) for n in os.listdir("/"))
+                        if os.path.isdir(d) and not os.path.islink(d) and os.stat(d).st_mode & 0o005 == 0o005
+                        and d not in SYSTEM_DIRS and d not in ("/proc", "/dev", "/tmp", "/sys")))
+
+
+def settings() -> dict:
+    return {
+        "full": (lambda: Sandbox(), False),
+        "no_seccomp": (lambda: Sandbox(), True),
+        "full_view": (lambda: Sandbox(ro_paths=host_dirs()), False),
+        "none": (lambda: Sandbox(mode="none"), False),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    boxes = {name: (make(), off) for name, (make, off) in settings().items()}
+    times = {name: [] for name in boxes}
+    for _ in range(args.calls):
+        for name, (box, no_filter) in boxes.items():
+            with mock.patch.object(crl.sandbox, "seccomp_filter", lambda machine=None: b"") if no_filter else mock.MagicMock():
+                t0 = time.perf_counter()
+                r = box.run(CODE)
+                times[name].append(time.perf_counter() - t0)
+            assert r.stdout.strip() == "4950", (name, r.as_observation())
+    base = statistics.median(times["full"])
+    report = {name: {"median_ms": 1e3 * statistics.median(t), "mean_ms": 1e3 * statistics.mean(t),
+                     "ratio_to_full": statistics.median(t) / base} for name, t in times.items()}
+    print(f"{args.calls} calls per setting, interleaved; median / mean ms per call, median ratio to full")
+    for name, r in report.items():
+        print(f"  {name:12s} {r['median_ms']:8.1f} {r['mean_ms']:8.1f}   x{r['ratio_to_full']:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"calls": args.calls, "code": CODE, "settings": report}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
