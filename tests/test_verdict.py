@@ -21,7 +21,7 @@ def verdict(tmp_path, devs, *overrides):
 
 @pytest.mark.parametrize("last, word", [(0.95, "LEARNED"), (0.42, "LEARNED"), (0.41, "NOT LEARNED"), (0.25, "NOT LEARNED")])
 def test_verdict_against_chance(tmp_path, last, word):
-    line = verdict(tmp_path, [(0, 0.233), (50, 0.5), (100, last)])
+    line = verdict(tmp_path, [(0, 0.233), (50, 0.5), (100, last)], "eval.episodes=60")
     assert line.startswith(f"verdict: dev success 0.233 (iteration 0) -> {last:.3f} (iteration 100) on 60 episodes; chance 0.250: {word} ")
     assert "> 0.418" in line
 
