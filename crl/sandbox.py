@@ -197,26 +197,21 @@ os.execv(python, [python, "-I", "-B", "-X", "utf8", code])
 # Syscalls tool code never needs and attack code wants (issue 28; flatpak's and nsjail's lists): the kernel keyring
 # (state shared between calls of one uid), io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts and the new
 # mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot. Denied with EPERM, never a kill.
-DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
-                   "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree", "move_mount",
-                   "fsopen", "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load", "kexec_file_load",
-                   "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot")
-# (AUDIT_ARCH_*, syscall numbers) per machine: x86_64 from arch/x86/entry/syscalls/syscall_64.tbl, aarch64 from the
-# generic table (include/uapi/asm-generic/unistd.h)
-_SYSCALL_TABLES = {
-    "x86_64": (0xC000003E, {"add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425, "io_uring_enter": 426,
-                            "io_uring_register": 427, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "ptrace": 101,
-                            "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-                            "fsconfig": 431, "fsmount": 432, "fspick": 433, "unshare": 272, "setns": 308, "kexec_load": 246,
-                            "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
-                            "swapon": 167, "swapoff": 168, "reboot": 169}),
-    "aarch64": (0xC00000B7, {"add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425, "io_uring_enter": 426,
-                             "io_uring_register": 427, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "ptrace": 117,
-                             "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-                             "fsconfig": 431, "fsmount": 432, "fspick": 433, "unshare": 97, "setns": 268, "kexec_load": 104,
-                             "kexec_file_load": 294, "init_module": 105, "finit_module": 273, "delete_module": 106,
-                             "swapon": 224, "swapoff": 225, "reboot": 142}),
+# name -> (x86_64, aarch64) number: x86_64 from arch/x86/entry/syscalls/syscall_64.tbl, aarch64 from the generic
+# table (include/uapi/asm-generic/unistd.h)
+_DENIED_NUMBERS = {
+    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219), "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "bpf": (321, 280), "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282), "ptrace": (101, 117), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
+    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
+    "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
+    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
+    "swapoff": (168, 225), "reboot": (169, 142),
 }
+DENIED_SYSCALLS = tuple(_DENIED_NUMBERS)
+# machine -> (AUDIT_ARCH_*, its syscall numbers)
+_SYSCALL_TABLES = {machine: (arch, {name: nrs[i] for name, nrs in _DENIED_NUMBERS.items()})
+                   for i, (machine, arch) in enumerate((("x86_64", 0xC000003E), ("aarch64", 0xC00000B7)))}
 
 
 @functools.lru_cache(maxsize=None)

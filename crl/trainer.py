@@ -629,18 +629,16 @@ class Trainer:
         applied. Logged: ``policy/steps`` (steps applied), ``policy/kl_stop`` (1 when stopped)."""
         t = self.cfg.train
         rollouts = batch["rollout_id"].unique()
-        steps, stopped = 0, False
         order = torch.Generator().manual_seed(t.seed * 7919 + iteration)  # once per iteration: each epoch a new order
-        for _ in range(t.policy_epochs):
-            perm = rollouts[torch.randperm(len(rollouts), generator=order)]
-            for chunk in perm.tensor_split(t.policy_minibatches):
-                max_kl = None if steps == 0 or self.cfg.algo.target_kl is None else 1.5 * self.cfg.algo.target_kl
-                if not self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]), max_kl=max_kl):
-                    stopped = True
-                    break
-                steps += 1
-            if stopped:
+        chunks = [chunk for _ in range(t.policy_epochs)
+                  for chunk in rollouts[torch.randperm(len(rollouts), generator=order)].tensor_split(t.policy_minibatches)]
+        steps, stopped = 0, False
+        for chunk in chunks:
+            max_kl = None if steps == 0 or self.cfg.algo.target_kl is None else 1.5 * self.cfg.algo.target_kl
+            if not self._optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]), max_kl=max_kl):
+                stopped = True
                 break
+            steps += 1
         self.step_log["policy_steps"], self.step_log["kl_stop"] = steps, stopped
         self.policy_version += 1  # the learner's weights moved on: the sampler needs a sync_policy_weights
         self._release_gathered()
@@ -779,14 +777,14 @@ class Trainer:
                 self.accelerator.backward(loss)
             outs.append(out)
         log = self.step_log
+        for out in outs:  # a dropped step's metrics too: its approx_kl is why it was dropped
+            for key, val in out.items():
+                log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
         if max_kl is not None:
             kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
                                              dtype=torch.float64, device=self.device).reshape(-1, 2).sum(0))
             if float(kl[0]) > max_kl * float(kl[1]):
                 opt.zero_grad(set_to_none=True)
-                for out in outs:
-                    for key, val in out.items():
-                        log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
                 return False
         if self.use_ds:
             gn = model.get_global_grad_norm()
@@ -801,9 +799,6 @@ class Trainer:
                               for kind in ("execution", "summary")}
         log["grad_norms"][name].append(gn)
         log["normalizers"][name].append(dataclasses.asdict(norm))
-        for out in outs:
-            for key, val in out.items():
-                log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
         return True
 
     def _reset_step_log(self) -> None:
