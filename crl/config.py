@@ -239,7 +239,7 @@ class ToolsConfig:
 
     sandbox: str = "bwrap"  # bwrap: bubblewrap + rlimits (apt-get install bubblewrap) | none: unisolated (a warning on every start)
     timeout_s: float = 5.0  # wall clock of one tool call
-    memory_mb: int = 512  # address-space limit of the tool's process
+    memory_mb: int = 512  # memory of one tool call: all its processes together (a cgroup) and each one's address space
     max_output_bytes: int = 4096  # tool output kept (the rest is dropped and marked)
     # host paths (absolute, existing) tool code may read, at the same place, read-only; bwrap mode shows nothing else
     # of the host but /usr, a few /etc files and the interpreter's directories (crl.sandbox)

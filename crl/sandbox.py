@@ -17,6 +17,12 @@ Both modes install a seccomp filter (:func:`seccomp_filter`) in the prelude: the
 * ``"none"``: the same limits, timeout and output cap on a plain subprocess in a temporary directory, **without any
   isolation**: the code can read and write whatever the caller can and reach the network (the caller warns).
 
+One budget per call (both modes, crl/cgroups.py): each call runs in a cgroup made for it under the one crl runs in,
+limited to ``memory_mb`` for all its processes, files and kernel memory together (the kernel's OOM killer ends the
+call at the budget: :attr:`RunResult.memory_exceeded`) and to ``max_processes`` (+2) tasks; removed after the call.
+Where no writable cgroup exists the fallback is per-process memory only (``RLIMIT_AS`` below, so up to
+``memory_mb × max_processes`` per call), with ``memfd_create`` denied by the filter, and a warning once.
+
 Limits (``SandboxLimits``) are set by a small prelude inside the sandbox before the code's interpreter is exec'd:
 ``RLIMIT_AS`` (memory: allocations fail with ``MemoryError``), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_NPROC``;
 the wall-clock timeout kills the whole process group, and in bwrap mode with it the PID namespace (every process of
@@ -48,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
@@ -83,11 +90,13 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits. Memory, CPU, file size and process count are rlimits of every process of the run."""
+    """Per-run limits. CPU, file size and process count are rlimits of every process of the run; memory is one
+    too, and, where a cgroup can be made (crl/cgroups.py), also the budget of the whole call (processes, tmpfs,
+    anonymous files and the kernel's memory for them); ``max_processes`` then also bounds the cgroup's pids."""
 
     timeout_s: float = 5.0  # wall clock; after it the whole process group (bwrap: the PID namespace) is killed
     cpu_s: int = 5  # RLIMIT_CPU (SIGXCPU at cpu_s, SIGKILL a second later)
-    memory_mb: int = 512  # RLIMIT_AS: address space per process; a larger allocation raises MemoryError
+    memory_mb: int = 512  # RLIMIT_AS per process (MemoryError), and the cgroup memory limit of the call as a whole
     file_size_mb: int = 16  # RLIMIT_FSIZE: largest file a process may write (OSError "File too large")
     max_processes: int = 32  # RLIMIT_NPROC: processes and threads of the run, in bwrap mode (see the module doc)
     max_output_bytes: int = 16384  # stdout+stderr kept, in arrival order; the rest is read and dropped
@@ -111,6 +120,7 @@ class RunResult:
     truncated: bool
     limits: SandboxLimits = field(default_factory=SandboxLimits)  # the limits it ran under (for the messages)
     duration_s: float = 0.0
+    memory_exceeded: bool = False  # the kernel killed a process of the call for the call's cgroup memory budget
 
     def as_observation(self) -> str:
         """One text for the model: stdout, stderr, then one bracketed line per event (truncation, a limit hit,
@@ -124,6 +134,8 @@ class RunResult:
             lines.append(f"[output truncated at {lim.max_output_bytes} bytes]")
         if re.search(r"^MemoryError\b", self.stderr, re.M):
             lines.append(f"[memory limit of {lim.memory_mb} MB exceeded]")
+        if self.memory_exceeded:
+            lines.append(f"[killed: the call's memory budget of {lim.memory_mb} MB (all its processes and files) exceeded]")
         if "[Errno 11] Resource temporarily unavailable" in self.stderr:
             lines.append(f"[process limit of {lim.max_processes} processes reached]")
         if "[Errno 27] File too large" in self.stderr:
@@ -136,7 +148,7 @@ class RunResult:
             sig = -self.returncode
             if sig == signal.SIGXCPU:
                 lines.append(f"[killed: CPU time limit of {lim.cpu_s} s exceeded]")
-            else:
+            elif not (sig == signal.SIGKILL and self.memory_exceeded):  # said above
                 lines.append(f"[killed by signal {_signal_name(sig)}]")
         elif self.returncode:
             lines.append(f"[exit code {self.returncode}]")
@@ -206,20 +218,24 @@ _DENIED_NUMBERS = {
     "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
     "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
     "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
-    "swapoff": (168, 225), "reboot": (169, 142),
+    "swapoff": (168, 225), "reboot": (169, 142), "memfd_create": (319, 279),
 }
-DENIED_SYSCALLS = tuple(_DENIED_NUMBERS)
+# memfd_create is denied only where no cgroup bounds the call (FALLBACK_DENIED): an anonymous file is memory no
+# rlimit counts, so without the call's cgroup 128 of them held 2 GB (issue 28); with it they are charged to the call
+FALLBACK_DENIED = ("memfd_create",)
+DENIED_SYSCALLS = tuple(name for name in _DENIED_NUMBERS if name not in FALLBACK_DENIED)
 # machine -> (AUDIT_ARCH_*, its syscall numbers)
 _SYSCALL_TABLES = {machine: (arch, {name: nrs[i] for name, nrs in _DENIED_NUMBERS.items()})
                    for i, (machine, arch) in enumerate((("x86_64", 0xC000003E), ("aarch64", 0xC00000B7)))}
 
 
 @functools.lru_cache(maxsize=None)
-def seccomp_filter(machine: str | None = None) -> bytes:
+def seccomp_filter(machine: str | None = None, fallback: bool = False) -> bytes:
     """The classic-BPF seccomp program (``struct sock_filter[]``, native byte order) the prelude installs with
     ``prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER)``: another architecture than this machine's (e.g. i386 through
     ``int 0x80``) and, on x86_64, the x32 ABI (numbers >= 2^30) get ``EPERM`` for every call; each of
-    :data:`DENIED_SYSCALLS` gets ``EPERM``; everything else is allowed. Empty (no filter) on a machine without a
+    :data:`DENIED_SYSCALLS` (with ``fallback``, when no cgroup bounds the call's memory, also :data:`FALLBACK_DENIED`)
+    gets ``EPERM``; everything else is allowed. Empty (no filter) on a machine without a
     table here. Written by hand rather than with libseccomp: 30 instructions, no system package for CI to install."""
     import platform
     import struct
@@ -232,7 +248,7 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     body = [(LD_ABS, 0, 0, 4), (JEQ, 0, None, arch), (LD_ABS, 0, 0, 0)]  # seccomp_data.arch at 4, .nr at 0
     if arch == 0xC000003E:
         body.append((JGE, None, 0, 0x40000000))  # __X32_SYSCALL_BIT
-    body += [(JEQ, None, 0, numbers[name]) for name in DENIED_SYSCALLS]
+    body += [(JEQ, None, 0, numbers[name]) for name in DENIED_SYSCALLS + (FALLBACK_DENIED if fallback else ())]
     deny = len(body) + 1  # body, then RET ALLOW, then RET EPERM
     prog = []
     for i, (code, jt, jf, k) in enumerate(body):  # None: a jump to the EPERM return (relative to the next instruction)
@@ -366,31 +382,40 @@ class Sandbox:
         printed and how it ended. Tool-code failures are in the result; nothing it does raises here."""
         fds: list[int] = []  # for the child only: closed here once it started
         info_fd = run_dir = None
+        cgroup = _call_cgroup(self.limits)
         try:
             if self.mode == "bwrap":
                 info_fd, info_w = os.pipe()  # bwrap writes the host pid of the namespace's init there
                 fds.append(info_w)
-                argv = self._bwrap_argv(code, fds, info_w)
+                argv = self._bwrap_argv(code, fds, info_w, fallback=cgroup is None)
                 cwd, env = "/", None
             else:
                 run_dir = tempfile.mkdtemp(prefix="crl-sandbox-")
-                argv, cwd, env = self._plain_argv(code, run_dir)
-            return self._execute(argv, cwd, env, fds, info_fd)
+                argv, cwd, env = self._plain_argv(code, run_dir, fallback=cgroup is None)
+            if cgroup is not None:
+                argv = cgroup.wrap(argv)
+            result = self._execute(argv, cwd, env, fds, info_fd)
+            if cgroup is not None:
+                result.memory_exceeded = cgroup.memory_exceeded()
+            return result
         finally:
             for fd in fds:
                 os.close(fd)
             if info_fd is not None:
                 os.close(info_fd)
+            if cgroup is not None:
+                cgroup.remove()
             if run_dir is not None:
                 shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _prelude(self, drop: bool, ppid: int, code_path: str) -> list[str]:
+    def _prelude(self, drop: bool, ppid: int, code_path: str, fallback: bool) -> list[str]:
         lim = self.limits
         nums = (int(drop), SANDBOX_UID, SANDBOX_GID, lim.memory_mb << 20, lim.cpu_s, lim.file_size_mb << 20,
                 lim.max_processes, ppid)
-        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path, seccomp_filter().hex()]
+        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path,
+                seccomp_filter(fallback=fallback).hex()]
 
-    def _plain_argv(self, code: str, run_dir: str):
+    def _plain_argv(self, code: str, run_dir: str, fallback: bool):
         scratch, tmp = os.path.join(run_dir, "work"), os.path.join(run_dir, "tmp")
         os.mkdir(scratch)
         os.mkdir(tmp)
@@ -402,9 +427,9 @@ class Sandbox:
         code_path = os.path.join(run_dir, "main.py")
         with open(code_path, "wb") as f:
             f.write(_source(code))
-        return self._prelude(False, os.getpid(), code_path), scratch, _minimal_env(scratch, tmp)
+        return self._prelude(False, os.getpid(), code_path, fallback), scratch, _minimal_env(scratch, tmp)
 
-    def _bwrap_argv(self, code: str, fds: list[int], info_fd: int) -> list[str]:
+    def _bwrap_argv(self, code: str, fds: list[int], info_fd: int, fallback: bool) -> list[str]:
         def data_fd(data: bytes) -> str:
             fd = os.memfd_create("crl-sandbox")
             fds.append(fd)
@@ -469,7 +494,7 @@ class Sandbox:
             args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
             if "--disable-userns" in opts:
                 args += ["--disable-userns"]
-        return args + ["--", *self._prelude(root, 0, CODE_PATH)]
+        return args + ["--", *self._prelude(root, 0, CODE_PATH, fallback)]
 
     def _execute(self, argv: list[str], cwd: str, env, fds: list[int], info_fd: int | None) -> RunResult:
         """Start ``argv`` in its own process group, keep at most ``max_output_bytes`` of its output (reading
@@ -569,6 +594,31 @@ class Sandbox:
             limits=lim,
             duration_s=time.monotonic() - start,
         )
+
+
+_OWN_PIDS = 2  # processes of a call besides the code's: bwrap and its namespace init (mode none: spare)
+_WARNED_FALLBACK: list[str] = []
+
+
+def _call_cgroup(limits: SandboxLimits):
+    """The call's cgroup (crl/cgroups.py), limited to ``memory_mb`` and ``max_processes``; None where no writable
+    cgroup exists, with a warning the first time: the fallback is per-process limits plus ``memfd_create`` denied."""
+    from crl.cgroups import call_budget, unavailable_reason
+
+    budget = call_budget()
+    if budget is None:
+        if not _WARNED_FALLBACK:
+            _WARNED_FALLBACK.append(unavailable_reason() or "")
+            warnings.warn(
+                f"sandbox: no writable cgroup here ({unavailable_reason()}), so a tool call's memory is bounded per process "
+                f"only: tools.memory_mb for each of up to max_processes processes (memfd_create is denied, tmpfs is "
+                f"size-limited). Run crl in a cgroup it may create children in for one budget per call (crl/cgroups.py).",
+                stacklevel=3)
+        return None
+    try:
+        return budget.create(limits.memory_mb << 20, limits.max_processes + _OWN_PIDS)
+    except OSError as e:
+        raise SandboxUnavailable(f"cannot make the tool call's cgroup under {sorted(map(str, set(budget.parents.values())))}: {e}") from None
 
 
 def _pidfd(pid: int) -> int | None:
