@@ -4,11 +4,13 @@ Runs ``--calls`` trivial tool calls (``print(sum(range(100)))``) through :class:
 interleaved round-robin (one call of each setting in turn) so that load on a shared machine hits every setting
 alike, and prints the median and mean wall time per call and each setting's ratio to the full sandbox:
 
-* ``full``           — the default: minimal view + seccomp filter + rlimits (bwrap mode)
-* ``no_seccomp``     — the same without the syscall filter (``seccomp_filter`` returning no program)
+* ``full``           — the default: minimal view + seccomp filter + rlimits + the call's cgroup (bwrap mode;
+                       the cgroup where one can be made here, crl/cgroups.py)
+* ``no_cgroup``      — the same without the call's cgroup (the fallback: per-process limits, memfd_create denied)
+* ``no_seccomp``     — the same as ``full`` without the syscall filter (``seccomp_filter`` returning no program)
 * ``full_view``      — every other world-readable top-level directory of the host bound read-only too (``ro_paths``:
                        ``/var``, ``/opt``, ``/home``, ...), with the filter: roughly the old whole-``/`` view's cost
-* ``none``           — mode ``none``: a plain subprocess with the rlimits and the filter, no isolation
+* ``none``           — mode ``none``: a plain subprocess with the rlimits, the filter and the cgroup, no isolation
 
 Run: ``python benchmarks/bench_sandbox.py [--calls 200]`` (about a minute per 100 calls per setting on 2 cores).
 Writes ``--out`` (JSON) when given.
@@ -39,11 +41,14 @@ def host_dirs() -> tuple[str, ...]:
 
 
 def settings() -> dict:
+    """name -> (make the sandbox, the patch that removes a defence for the call or None)."""
+    no_filter = ("seccomp_filter", lambda machine=None, fallback=False: b"")
     return {
-        "full": (lambda: Sandbox(), False),
-        "no_seccomp": (lambda: Sandbox(), True),
-        "full_view": (lambda: Sandbox(ro_paths=host_dirs()), False),
-        "none": (lambda: Sandbox(mode="none"), False),
+        "full": (lambda: Sandbox(), None),
+        "no_cgroup": (lambda: Sandbox(), ("_call_cgroup", lambda limits: None)),
+        "no_seccomp": (lambda: Sandbox(), no_filter),
+        "full_view": (lambda: Sandbox(ro_paths=host_dirs()), None),
+        "none": (lambda: Sandbox(mode="none"), None),
     }
 
 
@@ -52,11 +57,15 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    boxes = {name: (make(), off) for name, (make, off) in settings().items()}
+    from crl.cgroups import call_budget, unavailable_reason
+
+    if call_budget() is None:
+        print(f"no writable cgroup here ({unavailable_reason()}): full and no_cgroup are the same setting")
+    boxes = {name: (make(), patch) for name, (make, patch) in settings().items()}
     times = {name: [] for name in boxes}
     for _ in range(args.calls):
-        for name, (box, no_filter) in boxes.items():
-            with mock.patch.object(crl.sandbox, "seccomp_filter", lambda machine=None: b"") if no_filter else contextlib.nullcontext():
+        for name, (box, patch) in boxes.items():
+            with mock.patch.object(crl.sandbox, *patch) if patch else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 r = box.run(CODE)
                 times[name].append(time.perf_counter() - t0)
@@ -69,7 +78,7 @@ def main(argv=None) -> None:
         print(f"  {name:12s} {r['median_ms']:8.1f} {r['mean_ms']:8.1f}   x{r['ratio_to_full']:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"calls": args.calls, "code": CODE, "settings": report}, f, indent=2)
+            json.dump({"calls": args.calls, "code": CODE, "cgroup": call_budget() is not None, "settings": report}, f, indent=2)
 
 
 if __name__ == "__main__":
