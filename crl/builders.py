@@ -44,6 +44,18 @@ def eval_share(episodes: int, rank: int, world: int) -> int:
     return len(range(rank, episodes, world))
 
 
+def sampling_spec(cfg, codec: "TextCodec", *, evaluation: bool = False):
+    """The run's :class:`crl.sampling.SamplingSpec`: every sampler (crl's collector on either backend, the TorchRL chat
+    collector) and the learner's log-probs derive from it. ``model.temperature`` (``eval.temperature`` when
+    ``evaluation``) and ``model.top_p``; EOS stops a generation; a torchrl_chat sampler never draws the pad token
+    (TorchRL's wrapper reads it as padding)."""
+    from crl.sampling import SamplingSpec
+
+    chat = cfg.env.name == "torchrl_chat"
+    return SamplingSpec(temperature=cfg.eval.temperature if evaluation else cfg.model.temperature, top_p=cfg.model.top_p,
+                        stop_token_ids=(codec.eos_id,), suppress_ids=(codec.tokenizer.pad_token_id,) if chat else ())
+
+
 def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_format, *, evaluation: bool = False,
                     frozen_backend=None, rank: int = 0, world: int = 1, progress: bool = False):
     """The :class:`~crl.collectors.CompactionCollector` of ``split`` on curriculum ``stage`` (None: the env's own task).
@@ -55,16 +67,14 @@ def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_
     """
 
     from crl.collectors import CompactionCollector
-    from crl.modules.generation import SamplingParams
 
     if cfg.env.name == "torchrl_chat":
         return build_chat_collector(cfg, split, backend, codec, evaluation=evaluation, rank=rank, world=world, progress=progress)
     suite = build_suite(cfg, stage)
-    temperature = cfg.eval.temperature if evaluation else cfg.model.temperature
     return CompactionCollector(
         suite, split, backend, codec.encode, codec.decode, codec.eos_id, build_compaction_config(cfg, suite),
         episodes_per_batch=eval_share(cfg.eval.episodes, rank, world) if evaluation else cfg.train.episodes_per_batch,
-        sampling=SamplingParams(temperature=temperature, top_p=cfg.model.top_p, stop_token_ids=(codec.eos_id,)),
+        sampling=sampling_spec(cfg, codec, evaluation=evaluation),
         max_action_tokens=cfg.model.max_action_tokens, summary_backend=frozen_backend, rank=rank, world_size=world,
         seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
         step_timeout=cfg.env.step_timeout_s, progress=progress, engine_kwargs={"prompt_format": prompt_format},
@@ -283,8 +293,7 @@ def build_chat_collector(cfg, split: str, backend, codec: "TextCodec", *, evalua
     return ChatCollector(
         build_chat_suite(cfg, codec.tokenizer), split, backend, codec.tokenizer, build_compaction_config(cfg, None),
         episodes_per_batch=eval_share(cfg.eval.episodes, rank, world) if evaluation else cfg.train.episodes_per_batch,
-        temperature=cfg.eval.temperature if evaluation else cfg.model.temperature, top_p=cfg.model.top_p,
-        max_new_tokens=cfg.model.max_action_tokens, task_seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, rank=rank,
+        sampling=sampling_spec(cfg, codec, evaluation=evaluation), max_new_tokens=cfg.model.max_action_tokens, task_seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, rank=rank,
         world_size=world, tasks_in_order=evaluation, group_size=1 if evaluation else cfg.train.group_size, texts=texts, progress=progress,
     )
 

@@ -51,7 +51,7 @@ from tensordict.nn import TensorDictModule
 from tqdm.auto import tqdm
 
 from crl import checkpoint as ckpt_files
-from crl.builders import build_collector, build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, curriculum_stages
+from crl.builders import build_collector, build_compaction_config, build_prompt_format, build_suite, build_tokenizer, check_budgets, curriculum_stages, sampling_spec
 from crl.collectors import CompactionCollector, episode_stats, summary_channel_metrics
 from crl.config import Config, ConfigValidationError, to_dict, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
@@ -220,9 +220,8 @@ class Trainer:
         # ---- policy (warm-started), critic (initialised from the policy: the paper's init), optimizers, engines
         if not self.stage3:  # zero.Init already placed the partitions on the device
             self.lm.to(self.device)  # warm start, the critic's copy and the frozen copy are made on the device
-        # the sampler's distribution (a TorchRL chat sampler never draws the pad token: crl/torchrl_llm/collector.py)
-        never = (self.codec.tokenizer.pad_token_id,) if cfg.env.name == "torchrl_chat" else ()
-        actor_net = CausalLMLogProbs(self.lm, cfg.model.temperature, top_p=cfg.model.top_p, suppress_ids=never)
+        spec = sampling_spec(cfg, self.codec)  # the samplers' distribution (crl/sampling.py), the learner's too
+        actor_net = CausalLMLogProbs.from_spec(self.lm, spec)
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             self.warm_start()
         # the critic (initialised from the policy: the paper's init); algo.estimator=group trains without one

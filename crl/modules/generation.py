@@ -21,18 +21,10 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
+from crl.sampling import SamplingSpec
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
 
-    def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (behaviour log-probs need a proper distribution), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+SamplingParams = SamplingSpec  # the name the backends have always taken; the one definition is crl/sampling.py
 
 
 @dataclass
@@ -73,20 +65,9 @@ def stream_seed(seed: int, *names) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
 
 
-def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Log-probs of the distribution actually sampled from: ``softmax(logits / T)``, top-p truncated.
-
-    Top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p`` (the most likely
-    token always stays) and renormalises; excluded tokens get ``-inf``.
-    """
-    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()  # mass strictly before each token
-        drop_sorted = before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    return logp
+def sampling_log_probs(logits: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from: :meth:`crl.sampling.SamplingSpec.log_probs`."""
+    return params.log_probs(logits)
 
 
 class TransformersBackend:

@@ -110,6 +110,11 @@ class CausalLMLogProbs(nn.Module):
         # excluded here too so that the learner's distribution is the sampler's (crl.torchrl_llm suppresses pad)
         self.suppress_ids = tuple(int(i) for i in suppress_ids)
 
+    @classmethod
+    def from_spec(cls, lm: nn.Module, spec) -> "CausalLMLogProbs":
+        """The log-probs of :class:`crl.sampling.SamplingSpec` ``spec``'s distribution (the samplers' own)."""
+        return cls(lm, spec.temperature, spec.top_p, spec.suppress_ids)
+
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None,
                 alternatives: torch.Tensor | None = None):
         if lm_kwargs is not None:  # generation through this module (a ZeRO-3 engine's hooks start at its forward)
@@ -230,10 +235,13 @@ class ValueModel(nn.Module):
 MODEL_IN_KEYS = ("tokens", "attention_mask")  # what an actor or a critic reads from an episode TensorDict
 
 
-def actor_module(lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()) -> TensorDictModule:
+def actor_module(lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0, suppress_ids: Sequence[int] = (), *,
+                 sampling=None) -> TensorDictModule:
     """A causal LM as the actor: ``(tokens, attention_mask) -> (log_prob, entropy)`` of the sampling distribution
-    (``temperature``, ``top_p``, never-sampled ``suppress_ids``; see :class:`CausalLMLogProbs`)."""
-    return TensorDictModule(CausalLMLogProbs(lm, temperature, top_p, suppress_ids), in_keys=list(MODEL_IN_KEYS), out_keys=["log_prob", "entropy"])
+    (``temperature``, ``top_p``, never-sampled ``suppress_ids``, or all three from ``sampling``, a
+    :class:`crl.sampling.SamplingSpec`; see :class:`CausalLMLogProbs`)."""
+    net = CausalLMLogProbs.from_spec(lm, sampling) if sampling is not None else CausalLMLogProbs(lm, temperature, top_p, suppress_ids)
+    return TensorDictModule(net, in_keys=list(MODEL_IN_KEYS), out_keys=["log_prob", "entropy"])
 
 
 def critic_module(value_model: nn.Module) -> TensorDictModule:

@@ -35,6 +35,7 @@ from crl.compaction import CompactionConfig
 from crl.episode import EpisodeStatus, SegmentKind, concat_episodes, validate_episodes
 from crl.modules.generation import stream_seed
 from crl.modules.models import actor_module
+from crl.sampling import SamplingSpec, warn_ignored_generation_keys
 from crl.torchrl_llm.convert import to_episodes
 from crl.torchrl_llm.transform import CompactionTransform
 
@@ -62,11 +63,16 @@ class ChatCollector(EpisodeStream):
         compaction: Eq. 7–9 numbers. texts: ``summary_instruction`` / ``resume_prefix`` / ``resume_suffix`` overrides.
         episodes_per_batch, temperature, top_p, max_new_tokens: as crl's collector (one generation limit for actions
             and summaries: TorchRL's wrapper takes one). task_seed: the task draw. rank / world_size / group_size / tasks_in_order: as crl's.
+        sampling: the :class:`crl.sampling.SamplingSpec` (default: ``temperature``, ``top_p``, the pad token
+            suppressed: TorchRL's wrapper reads pad as padding). The wrapper's ``generate`` runs inside
+            :meth:`~crl.sampling.SamplingSpec.applied_to`, so the policy's ``generation_config.json`` cannot add a
+            penalty or a top-k (one warning names what it sets); the re-scoring actor applies the same spec.
     """
 
     def __init__(self, suite, split: str, backend, tokenizer, compaction: CompactionConfig, *, episodes_per_batch: int, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int = 16, task_seed: int = 0, rank: int = 0, world_size: int = 1,
-                 tasks_in_order: bool = False, group_size: int = 1, texts: dict | None = None, progress: bool = False):
+                 tasks_in_order: bool = False, group_size: int = 1, texts: dict | None = None, progress: bool = False,
+                 sampling: SamplingSpec | None = None):
         from torchrl.modules.llm import TransformersWrapper
 
         check_chat_suite(suite)
@@ -82,14 +88,15 @@ class ChatCollector(EpisodeStream):
         self.episodes_per_batch, self.max_new_tokens, self.total_batches = episodes_per_batch, max_new_tokens, -1
         self.seed, self.rank, self.world_size = task_seed, rank, world_size  # seed: the task order (EpisodeStream)
         self.tasks_in_order, self.group_size, self.progress = tasks_in_order, group_size, progress
-        # top_k = the vocabulary: no top-k truncation (transformers' default is 50); the pad token is never sampled
-        # (TorchRL's wrapper reads pad as padding), and the re-scoring actor excludes it the same way, so the
-        # learner's distribution is exactly the sampler's (tests/test_torchrl_llm.py checks against generate's scores)
-        gen = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p, top_k=len(tokenizer),
-                   suppress_tokens=[int(tokenizer.pad_token_id)])
-        self.policy = TransformersWrapper(lm, tokenizer=tokenizer, input_mode="history", generate=True, generate_kwargs=gen,
-                                          return_log_probs=True, prefer_tokens=True)
-        self.actor = actor_module(lm, temperature, top_p, suppress_ids=[int(tokenizer.pad_token_id)])  # re-scores behaviour log-probs
+        # one distribution for the sampler (generate's kwargs, the model's generation_config swapped for the call) and
+        # the re-scoring actor: exactly the learner's (tests/test_sampling.py checks against generate's own scores)
+        self.sampling = sampling or SamplingSpec(temperature, top_p, suppress_ids=(int(tokenizer.pad_token_id),))
+        if int(tokenizer.pad_token_id) not in self.sampling.suppress_ids:
+            raise ValueError(f"the chat sampler must suppress the pad token ({tokenizer.pad_token_id}): TorchRL's wrapper reads it as padding")
+        warn_ignored_generation_keys(lm, self.sampling)
+        self.policy = TransformersWrapper(lm, tokenizer=tokenizer, input_mode="history", generate=True,
+                                          generate_kwargs=self.sampling.generate_kwargs(max_new_tokens), return_log_probs=True, prefer_tokens=True)
+        self.actor = actor_module(lm, sampling=self.sampling)
         self.stop_id = self.compaction_factory(0)().stop_id  # fail now, not mid-run: the transform checks the budget against the texts
         self.engine = self  # the trainer reads collector.engine.config.forced_steps (none here: compaction is by budget)
         self.episodes_started = 0
@@ -119,7 +126,7 @@ class ChatCollector(EpisodeStream):
         env = self.suite.make_env(task, self.compaction_factory(rollout_id))
         try:
             cap = (self.config.max_steps or 10_000) * 2 + 2 * self.config.max_compactions + 2  # rollout's own step cap: never reached
-            with torch.random.fork_rng(devices=[]), set_list_to_stack(True):
+            with torch.random.fork_rng(devices=[]), set_list_to_stack(True), self.sampling.applied_to(self.lm):
                 torch.manual_seed(stream_seed(self.sampler_seed, "chat", self.rank, n))
                 reset = env.reset(TensorDict(query=[self.suite.query(task)], batch_size=(1,)))
                 with torch.no_grad():

@@ -1,0 +1,140 @@
+"""crl.sampling.SamplingSpec: the one definition of the sampling distribution (issue 27 item 1, defect 1).
+
+The learner's log-probs must be the sampler's. Checked here against an independent computation — transformers'
+own processed scores at each sampled token, recorded from inside ``generate`` — on TorchRL's chat path, with a
+policy directory whose ``generation_config.json`` sets a repetition penalty, an n-gram ban and a top-k (what a
+real checkpoint ships): with the spec the first PPO ratio is 1 on every token; with the checkpoint's file leaking
+into ``generate`` (the defence removed once) it is not.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from crl.compaction import CompactionConfig
+from crl.modules.byte_tokenizer import byte_chat_tokenizer
+from crl.modules.generation import make_backend
+from crl.sampling import SamplingSpec, ignored_generation_keys
+
+from _chat_suite import EchoSuite
+
+LEAKY = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "top_k": 5}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tok, tmp_path_factory):
+    """A policy checkpoint directory whose generation_config.json shapes sampling the way a real one can."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=2)
+    lm = LlamaForCausalLM(cfg)
+    for k, v in LEAKY.items():
+        setattr(lm.generation_config, k, v)
+    lm.generation_config.do_sample = True
+    path = tmp_path_factory.mktemp("policy")
+    lm.save_pretrained(path)
+    assert {k: json.loads((path / "generation_config.json").read_text())[k] for k in LEAKY} == LEAKY
+    return path
+
+
+def _recording(lm, calls: list):
+    """``lm.generate`` that also keeps (sequences, prompt length, processed scores): transformers' own numbers."""
+    real = lm.generate
+
+    def generate(*args, **kwargs):
+        kwargs.update(output_scores=True, return_dict_in_generate=True)
+        out = real(*args, **kwargs)
+        calls.append((out.sequences.clone(), kwargs["input_ids"].shape[1], [s.clone() for s in out.scores]))
+        return out
+
+    return generate
+
+
+def _ratios(calls, actor, eos: int) -> torch.Tensor:
+    """log π_learner − log π_sampler for every sampled token of every recorded call."""
+    diffs = []
+    for seq, n_prompt, scores in calls:
+        new = seq[0, n_prompt:]
+        n = len(new) if eos not in new.tolist() else new.tolist().index(eos) + 1  # the stop token is kept
+        behaviour = torch.stack([torch.log_softmax(s[0].float(), -1)[t] for s, t in zip(scores[:n], new[:n])])
+        td = TensorDict(tokens=seq[:, :n_prompt + n], attention_mask=torch.ones(1, n_prompt + n, dtype=torch.bool), batch_size=[1])
+        with torch.no_grad():
+            learner = actor(td)["log_prob"][0, n_prompt:n_prompt + n]
+        diffs.append(learner - behaviour)
+    return torch.cat(diffs)
+
+
+def _collect(policy_dir, tok, calls, sampling=None):
+    from crl.torchrl_llm.collector import ChatCollector
+
+    lm = LlamaForCausalLM.from_pretrained(policy_dir).eval()
+    lm.generate = _recording(lm, calls)
+    cfg = CompactionConfig(context_capacity=900, min_remaining=300, max_compactions=1, keep_recent=1, max_steps=3)
+    col = ChatCollector(EchoSuite(tok, seed=0), "train", make_backend("transformers", model=lm, seed=3), tok, cfg,
+                        episodes_per_batch=2, max_new_tokens=12, temperature=0.8, tasks_in_order=True, sampling=sampling)
+    col.collect()
+    return col, lm
+
+
+def test_a_checkpoints_generation_config_does_not_change_what_the_chat_sampler_draws(policy_dir, tok, monkeypatch):
+    calls = []
+    with pytest.warns(UserWarning, match=r"no_repeat_ngram_size=2, repetition_penalty=1\.3, top_k=5: crl ignores these"):
+        col, lm = _collect(policy_dir, tok, calls)
+    assert len(calls) >= 4
+    log_ratio = _ratios(calls, col.actor, tok.eos_token_id)
+    ratio = log_ratio.exp()
+    approx_kl = ((ratio - 1) - log_ratio).mean()  # PPO's approx_kl (Schulman's k3) at the first update
+    clip_fraction = ((ratio - 1).abs() > 0.2).float().mean()
+    assert log_ratio.abs().max() < 2e-5 and approx_kl < 1e-9 and clip_fraction == 0, log_ratio.abs().max()
+    # the checkpoint's file is the model's again after the collection (saved checkpoints keep it)
+    assert {k: getattr(lm.generation_config, k) for k in LEAKY} == LEAKY
+    # the defence removed once: the file's processors shape the samples and the learner no longer agrees
+    monkeypatch.setattr(SamplingSpec, "applied_to", lambda self, model: contextlib.nullcontext(model))
+    leaked = []
+    with pytest.warns(UserWarning):
+        col, _ = _collect(policy_dir, tok, leaked)
+    diff = _ratios(leaked, col.actor, tok.eos_token_id)
+    assert not (diff.abs().max() < 2e-5), "the checkpoint's generation_config did not leak without the spec: the test proves nothing"
+
+
+def test_the_spec_is_the_learners_distribution_and_a_plain_loop_agrees():
+    """SamplingSpec.log_probs against a per-row loop: suppressed ids, then temperature, then top-p over the
+    renormalised rest (the most likely token always kept)."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 11) * 3
+    spec = SamplingSpec(temperature=0.7, top_p=0.8, suppress_ids=(3, 4))
+    got = spec.log_probs(logits)
+    for row in range(5):
+        x = [v / 0.7 if i not in (3, 4) else -math.inf for i, v in enumerate(logits[row].tolist())]
+        z = math.log(sum(math.exp(v) for v in x if v > -math.inf))
+        p = {i: math.exp(v - z) for i, v in enumerate(x) if v > -math.inf}
+        kept, mass = [], 0.0
+        for i in sorted(p, key=p.get, reverse=True):
+            if mass >= 0.8:
+                break
+            kept.append(i)
+            mass += p[i]
+        norm = sum(p[i] for i in kept)
+        for i in range(11):
+            want = math.log(p[i] / norm) if i in kept else -math.inf
+            assert (got[row, i].item() == want == -math.inf) or abs(got[row, i].item() - want) < 1e-5, (row, i)
+
+
+def test_ignored_generation_keys_name_what_shapes_sampling_only():
+    from transformers import GenerationConfig
+
+    assert ignored_generation_keys(GenerationConfig()) == {}
+    assert ignored_generation_keys(GenerationConfig(max_new_tokens=99, eos_token_id=7, do_sample=True)) == {}  # not sampling keys
+    g = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    assert ignored_generation_keys(g) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
