@@ -234,6 +234,32 @@ def test_warm_start_cache_reuse_is_bit_identical(tmp_path, capsys):
     assert len(entries()) == 2
 
 
+def test_a_failed_warm_start_is_cached_and_the_next_arm_fails_at_once(tmp_path, capsys):
+    """A warm start that does not teach reading (an unreachable stop_answer_p) ends the run with WarmStartError and
+    is cached as such: the next arm of the seed replays its logged lines and ends with the same error without
+    playing a single warm-start step (counted through the demonstrations it would build)."""
+    import crl.warm_start
+    from crl.warm_start import WarmStartError
+
+    cache = tmp_path / "cache"
+    args = ["train.iterations=1", "warm_start.steps=4", "warm_start.stop_answer_p=1.0", "warm_start.probe_every=2", f"warm_start.cache_dir={cache}"]
+    with pytest.raises(WarmStartError, match=r"after 4 steps .* answer probe is 0\.\d+ < warm_start\.stop_answer_p=1\.0") as first:
+        make(tmp_path / "joint", *args).fit()
+    built = []
+    real = crl.warm_start.demonstration_batch
+    try:
+        crl.warm_start.demonstration_batch = lambda *a, **k: built.append(1) or real(*a, **k)
+        with pytest.raises(WarmStartError) as second:
+            make(tmp_path / "frozen", *args, "algo.frozen_summary=true").fit()
+    finally:
+        crl.warm_start.demonstration_batch = real
+    assert str(second.value) == str(first.value) and built == []
+    assert "warm start: reused the failed one" in capsys.readouterr().out
+    strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in recs]  # noqa: E731
+    lines = strip(metrics(tmp_path / "joint"))
+    assert any("warm_start/answer_p_train" in r for r in lines) and strip(metrics(tmp_path / "frozen")) == lines
+
+
 def test_warm_start_stopping_rule_and_format_content_through_the_trainer(tmp_path):
     """warm_start.stop_answer_p / probe_every / summary_content=format as a user sets them: a reachable threshold
     stops the warm start at the first probe (step 2 of at most 6), logged as warm_start/steps."""
