@@ -126,3 +126,58 @@ def test_transformers_backend_forks_share_the_model():
     b.policy_version = 4
     f = b.fork(2)
     assert f.model is lm and f.policy_version == 4 and f.generator.initial_seed() == 2
+
+
+def test_a_fork_that_wakes_the_engine_lets_the_trainer_put_it_to_sleep_again():
+    """Issue 27 defect 7: fork() copied the asleep flag, so after an evaluation fork woke the engine the trainer's
+    handle still believed it asleep and its next sleep() was a no-op (the engine kept its memory through every
+    update). The flag is the engine's: counted on a stand-in engine (no vLLM needed)."""
+    from crl.modules.vllm_backend import EngineSettings, VLLMBackend
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def sleep(self, level):
+            self.calls.append("sleep")
+
+        def wake_up(self):
+            self.calls.append("wake")
+
+    trainer = VLLMBackend.__new__(VLLMBackend)
+    trainer.settings, trainer.llm, trainer._engine_state = EngineSettings(sleep_between_phases=True), Engine(), {"asleep": False}
+    trainer.seed, trainer.requests_sampled = 1, 0
+    trainer.sleep()                    # the update phase
+    evaluation = trainer.fork(2)
+    evaluation.wake_up()               # the evaluation samples
+    assert not trainer.asleep
+    trainer.sleep()                    # the next update phase: must really sleep
+    assert trainer.llm.calls == ["sleep", "wake", "sleep"] and evaluation.asleep
+
+
+def test_sampler_state_holds_the_stream_seed_not_only_the_counter():
+    """Issue 27 defect 4: the checkpointed sampler state was the request counter alone, so a run resumed with another
+    world size (whose ranks fork fresh seed streams) and later resumed again at that size went back to the configured
+    seed with the fork's counter: requests reused seeds already drawn. The state now holds the seed: the restored
+    backend draws exactly the saved stream's next seeds, none drawn before. No vLLM needed (seeds are crl's)."""
+    from crl.modules.vllm_backend import VLLMBackend
+
+    def handle(seed):
+        b = VLLMBackend.__new__(VLLMBackend)
+        b.seed, b.requests_sampled, b._engine_state = seed, 0, {"asleep": False}
+        return b
+
+    configured = handle(7)
+    configured.requests_sampled = 50                      # before the world size changed
+    used = {configured.request_seed(n) for n in range(50)}
+    resumed = configured.fork(12345)                      # the resume with another world size: a fresh stream
+    resumed.requests_sampled = 20
+    used |= {resumed.request_seed(n) for n in range(20)}
+    state = resumed.generator.get_state()
+    later = handle(7)                                     # a later resume at that size builds the configured seed...
+    later.generator.set_state(state)                      # ...and restores the checkpoint
+    assert later.seed == 12345 and later.requests_sampled == 20
+    assert not {later.request_seed(20 + n) for n in range(50)} & used
+    old = handle(7)
+    old.generator.set_state(torch.tensor([33]))           # a checkpoint written before the fix: the counter alone
+    assert (old.seed, old.requests_sampled) == (7, 33)

@@ -173,14 +173,24 @@ class VLLMBackend:
         self.seed = int(seed)
         self.requests_sampled = 0  # request counter: the per-request seed stream
         self.policy_version = 0  # set by whoever syncs the weights (the trainer): the version the engine holds
-        self.asleep = False
+        self._engine_state = {"asleep": False}  # the engine's, so shared by every fork (copy.copy keeps the reference)
         kw = engine_kwargs(self.settings, seed=self.seed % 2**31)
         kw.update(llm_kwargs)
         with rank_placement(local_rank, self.settings):
             self.llm = vllm.LLM(model=str(model_path), **kw)
 
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine (not this handle) is asleep: a fork that wakes it up is seen by every other handle."""
+        return self._engine_state["asleep"]
+
+    @asleep.setter
+    def asleep(self, value: bool) -> None:
+        self._engine_state["asleep"] = bool(value)
+
     def fork(self, seed: int) -> "VLLMBackend":
-        """The same engine with its own request-seed stream (see :meth:`TransformersBackend.fork`)."""
+        """The same engine with its own request-seed stream (see :meth:`TransformersBackend.fork`); the engine's
+        state (asleep or awake) stays shared, the seed stream is the fork's own."""
         twin = copy.copy(self)
         twin.seed, twin.requests_sampled = int(seed), 0
         return twin
@@ -235,7 +245,8 @@ class VLLMBackend:
     @property
     def generator(self) -> "_RequestCounterState":
         """``get_state()`` / ``set_state()`` like :attr:`TransformersBackend.generator` (the trainer checkpoints the
-        sampler RNG through it): here the state is the request counter, so a resumed run continues the seed stream."""
+        sampler RNG through it): here the state is the stream's seed and its request counter, so a resumed run continues
+        the very stream it saved — also one forked with a fresh seed after a resume with another world size."""
         return _RequestCounterState(self)
 
     def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
@@ -270,7 +281,9 @@ class _RequestCounterState:
         self.backend = backend
 
     def get_state(self) -> torch.Tensor:
-        return torch.tensor([self.backend.requests_sampled], dtype=torch.int64)
+        return torch.tensor([self.backend.seed, self.backend.requests_sampled], dtype=torch.int64)
 
     def set_state(self, state: torch.Tensor) -> None:
+        if len(state) == 2:  # checkpoints before issue 27 saved the counter alone (their seed was the configured one)
+            self.backend.seed = int(state[0])
         self.backend.requests_sampled = int(state[-1])
