@@ -181,3 +181,24 @@ def test_sampler_state_holds_the_stream_seed_not_only_the_counter():
     old = handle(7)
     old.generator.set_state(torch.tensor([33]))           # a checkpoint written before the fix: the counter alone
     assert (old.seed, old.requests_sampled) == (7, 33)
+
+
+def test_a_stop_token_sampled_at_the_length_cap_is_a_stop():
+    """Issue 27 defect 3: vLLM checks the length cap before the stop tokens, so an action whose length including its
+    stop token equals the cap came back as a length stop and was decoded with the stop token in it (``submit 42`` +
+    ``<|im_end|>`` graded wrong). The backend reads the last token itself; checked on a stand-in engine."""
+    from types import SimpleNamespace as NS
+
+    from crl.modules.vllm_backend import EngineSettings, VLLMBackend
+
+    class Engine:
+        def generate(self, prompts, requests, use_tqdm=False):
+            outs = [([5, 2], "length"), ([5, 6], "length"), ([2], "stop")]  # cap 2: stop at the cap, cut, an early stop
+            return [NS(outputs=[NS(token_ids=ids, finish_reason=why, logprobs=[{t: NS(logprob=-1.0)} for t in ids])]) for ids, why in outs]
+
+    b = VLLMBackend.__new__(VLLMBackend)
+    b.seed, b.requests_sampled, b._engine_state, b.llm = 1, 0, {"asleep": False}, Engine()
+    b.settings = EngineSettings()
+    b._vllm = NS(SamplingParams=lambda **kw: kw, inputs=NS(TokensPrompt=lambda prompt_token_ids: prompt_token_ids))
+    gens = b.generate([[1], [1], [1]], [2, 2, 2], SamplingParams(stop_token_ids=(2,)))
+    assert [g.stopped for g in gens] == [True, False, True]

@@ -263,7 +263,10 @@ class VLLMBackend:
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             logps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids)]
-            result.append(Generation(ids, logps, comp.finish_reason == "stop"))
+            # a sampled stop token is a stop even at the length cap, where vLLM reports "length" (it checks the cap
+            # first): the transformers backend calls that a stop too, and the action is decoded without it
+            stopped = comp.finish_reason == "stop" or (bool(ids) and ids[-1] in params.stop_token_ids)
+            result.append(Generation(ids, logps, stopped))
         return result
 
     def close(self) -> None:
