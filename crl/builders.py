@@ -299,7 +299,9 @@ def build_chat_collector(cfg, split: str, backend, codec: "TextCodec", *, evalua
 
 
 def check_chat_budgets(cfg, codec: "TextCodec") -> None:
-    """torchrl_chat: the CompactionTransform's own checks (texts vs budget) and the first train and dev episode's reset."""
+    """torchrl_chat: the CompactionTransform's own checks (texts vs budget) and, per split (train, dev), the reset of
+    its first task and of its longest task prompt (``suite.query`` in tokens): a prompt that cannot fit the context
+    fails here, naming the task, instead of every draw of it ending as FAILED mid-run."""
     from crl.compaction import ConfigError
     from crl.config import ConfigValidationError
     from crl.torchrl_llm.collector import ChatCollector
@@ -311,17 +313,24 @@ def check_chat_budgets(cfg, codec: "TextCodec") -> None:
             tasks = list(suite.tasks(split))
             if not tasks:
                 raise ValueError(f"split {split!r} has no tasks")
-            compaction = ChatCollector.make_compaction(codec.tokenizer, build_compaction_config(cfg, None), cfg.model.max_action_tokens, texts, 0)
-            env = suite.make_env(tasks[0], compaction)
-            from tensordict import TensorDict, set_list_to_stack
-
-            with set_list_to_stack(True):
-                env.reset(TensorDict(query=[suite.query(tasks[0])], batch_size=(1,)))
-            env.close(raise_if_closed=False)
-        except ConfigError as err:
-            raise ConfigValidationError(f"compaction: {err}") from None
+            longest = max(range(len(tasks)), key=lambda i: len(codec.encode(suite.query(tasks[i]))))
         except Exception as err:
-            raise ConfigValidationError(f"env: starting the first {split} task of {cfg.env.factory} raised {type(err).__name__}: {err}") from err
+            raise ConfigValidationError(f"env: listing the {split} tasks of {cfg.env.factory} raised {type(err).__name__}: {err}") from err
+        for which, i in (("first", 0), ("longest", longest)) if longest else (("first", 0),):
+            try:
+                compaction = ChatCollector.make_compaction(codec.tokenizer, build_compaction_config(cfg, None), cfg.model.max_action_tokens, texts, 0)
+                env = suite.make_env(tasks[i], compaction)
+                from tensordict import TensorDict, set_list_to_stack
+
+                with set_list_to_stack(True):
+                    env.reset(TensorDict(query=[suite.query(tasks[i])], batch_size=(1,)))
+                env.close(raise_if_closed=False)
+            except ConfigError as err:
+                raise ConfigValidationError(f"compaction: starting the {which} {split} task (#{i}: {str(tasks[i])[:60]!r}) of "
+                                            f"{cfg.env.factory}: {err}") from None
+            except Exception as err:
+                raise ConfigValidationError(f"env: starting the {which} {split} task (#{i}: {str(tasks[i])[:60]!r}) of {cfg.env.factory} "
+                                            f"raised {type(err).__name__}: {err}") from err
 
 
 def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:

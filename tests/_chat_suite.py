@@ -72,3 +72,15 @@ class EchoSuite:
 
 def make_suite(tokenizer, seed: int = 0, tools=None, **kwargs):
     return EchoSuite(tokenizer, seed=seed, **kwargs)
+
+
+class LongTaskSuite(EchoSuite):
+    """EchoSuite whose fourth train task has a prompt far longer than any context (tests of the load-time check)."""
+
+    def query(self, task):
+        long = task == self._tasks["train"][3]
+        return super().query(task) + (" Context: " + "lorem ipsum " * 400 if long else "")
+
+
+def make_long_suite(tokenizer, seed: int = 0, tools=None, **kwargs):
+    return LongTaskSuite(tokenizer, seed=seed, **kwargs)

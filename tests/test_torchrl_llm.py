@@ -285,6 +285,18 @@ def test_unsupported_torchrl_chat_configs_fail_at_load(tmp_path, override, match
         load_config(str(ROOT / "configs/default.yaml"), overrides)
 
 
+def test_a_task_prompt_too_long_for_the_context_fails_at_start_naming_the_task(tmp_path):
+    """Issue 27 defect 6: only the first task of a split was started at load, so a later task whose prompt cannot fit
+    the context ended as FAILED on every draw, mid-run. The check also starts each split's longest prompt."""
+    from crl.builders import build_tokenizer, check_budgets
+    from crl.config import ConfigValidationError, load_config
+
+    cfg = load_config(str(ROOT / "configs/default.yaml"), chat_config(tmp_path, ["env.factory=tests._chat_suite:make_long_suite"]))
+    with pytest.raises(ConfigValidationError, match=r"starting the longest train task \(#3: 'cloud'\).*the task prompt is \d+ tokens"):
+        check_budgets(cfg, build_tokenizer(cfg))
+    check_budgets(load_config(str(ROOT / "configs/default.yaml"), chat_config(tmp_path)), build_tokenizer(cfg))  # the plain suite passes
+
+
 def test_two_ranks_under_accelerate_zero2_give_unique_rollout_ids_and_audit_pass(tmp_path):
     """``accelerate launch`` (DeepSpeed ZeRO-2, 2 gloo ranks) on a ChatEnv suite: each rank plays its own episodes
     (rollout ids rank + 2n), the audit checks every iteration's rows over both ranks."""
