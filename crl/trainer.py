@@ -696,13 +696,18 @@ class Trainer:
                 directory.mkdir(parents=True)
             self._barrier()
             try:
-                export_weights(self.lm, directory, write=writer)
+                exported = export_weights(self.lm, directory, write=writer)
                 self._barrier()
-                self.backend.load_weights_from(directory)
+                loaded = self.backend.load_weights_from(directory)
                 self._barrier()
             finally:
                 if writer:
                     shutil.rmtree(directory, ignore_errors=True)
+            if loaded != exported:  # the version must prove the weights arrived, not that the sync was called
+                raise RuntimeError(f"weight sync to the vLLM engine failed: the learner exported {exported} tensors, the engine "
+                                   f"read {loaded} from {directory}; policy_version stays {self.backend.policy_version} (not "
+                                   f"{self.policy_version}). The weight directory was incomplete (a full /dev/shm, or another "
+                                   "process writing it): resume from the newest checkpoint")
         self.backend.policy_version = self.policy_version
         self.sync_seconds = time.perf_counter() - t0
 

@@ -202,3 +202,32 @@ def test_a_stop_token_sampled_at_the_length_cap_is_a_stop():
     b._vllm = NS(SamplingParams=lambda **kw: kw, inputs=NS(TokensPrompt=lambda prompt_token_ids: prompt_token_ids))
     gens = b.generate([[1], [1], [1]], [2, 2, 2], SamplingParams(stop_token_ids=(2,)))
     assert [g.stopped for g in gens] == [True, False, True]
+
+
+def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
+    """Issue 27 defect 5: the trainer stamped policy_version after a vLLM sync whatever the engine read. Now the
+    engine's count of tensors read must equal the learner's export, else the sync raises and the version stays;
+    run through Trainer.sync_policy_weights with a stand-in engine that reads the directory itself (no vLLM)."""
+    from types import SimpleNamespace as NS
+
+    from crl.modules.vllm_worker import iter_weight_files
+    from crl.trainer import Trainer
+
+    class Engine:
+        def __init__(self, lose: int):
+            self.lose, self.policy_version = lose, 3
+
+        def load_weights_from(self, directory):
+            return sum(1 for _ in iter_weight_files(directory)) - self.lose
+
+    lm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    for lose in (0, 1):
+        t = NS(cfg=NS(model=NS(backend="vllm")), run_dir=tmp_path, local_rank=0, lm=lm, backend=Engine(lose), policy_version=4,
+               _barrier=lambda: None)
+        if lose:
+            with pytest.raises(RuntimeError, match=r"exported 4 tensors, the engine read 3 .* policy_version stays 3 \(not 4\)"):
+                Trainer.sync_policy_weights(t)
+            assert t.backend.policy_version == 3
+        else:
+            Trainer.sync_policy_weights(t)
+            assert t.backend.policy_version == 4
