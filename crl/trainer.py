@@ -1043,7 +1043,11 @@ class Trainer:
                     self.save_checkpoint(it)
                     self.rotate_checkpoints()
         except BaseException:
-            self._release_lock()  # a killed process frees it anyway; an in-process caller must be able to retry
+            try:  # an in-process caller must be able to retry: no engine processes left running, the run directory free
+                if hasattr(getattr(self, "backend", None), "close"):  # a vLLM engine's processes (a killed process takes them along)
+                    self.backend.close()
+            finally:
+                self._release_lock()
             raise
         self.close()
 

@@ -127,6 +127,23 @@ def test_close_before_anything_was_logged(tmp_path):
     make(tmp_path / "run", "warm_start.enabled=false").close()  # the lock was released
 
 
+def test_an_exception_in_fit_closes_the_sampler_and_frees_the_run_directory(tmp_path):
+    """Issue 27 defect 6: fit's exception path released the run directory but left a vLLM engine running (its
+    processes until the interpreter exits). The sampler is closed (counted on a stand-in close) and the error goes on."""
+    trainer = make(tmp_path / "run", "warm_start.enabled=false")
+    closed = []
+    trainer.backend.close = lambda: closed.append(1)
+
+    def broken():
+        raise RuntimeError("environment server down")
+
+    trainer.collect = broken
+    with pytest.raises(RuntimeError, match="environment server down"):
+        trainer.fit()
+    assert closed == [1]
+    make(tmp_path / "run", "warm_start.enabled=false").close()  # the lock was released
+
+
 def test_one_iteration_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     make(run_dir).fit()
