@@ -36,7 +36,7 @@ $(VLLM_STAMP): $(STAMP) scripts/install_vllm.py
 	touch $(VLLM_STAMP)
 
 test: setup vllm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25  # the 25 slowest tests: where the suite's time goes (issue 29)
 
 train: setup
 	$(PY) scripts/train.py --config configs/default.yaml
