@@ -210,6 +210,12 @@ def test_bad_setups_fail_with_the_fix_named(tok, lm):
             env.reset(TensorDict(query=["a", "b"], batch_size=(2,)))
     with pytest.raises(ValueError, match="prefer_tokens=True"):  # the history path re-tokenises: refused, not silently drifting
         play(make_env(tok), wrapper(lm, tok, prefer_tokens=False))
+    # issue 27 defect 8: a wrapper whose generation limit exceeds the transform's (a call could overflow C) is refused
+    longer = TransformersWrapper(lm, tokenizer=tok, input_mode="history", generate=True, return_log_probs=True, prefer_tokens=True,
+                                 generate_kwargs=dict(max_new_tokens=MAX_NEW * 4, min_new_tokens=MAX_NEW * 4, do_sample=True,
+                                                      suppress_tokens=[0], top_k=len(tok)))
+    with pytest.raises(ValueError, match=rf"generated \d+ tokens > this transform's max_new_tokens={MAX_NEW}"):
+        play(make_env(tok), longer)
 
 
 def test_max_steps_truncates(tok, lm):

@@ -210,6 +210,10 @@ class CompactionTransform(Compose):
         response = [int(t) for t in tensordict.get(("tokens", "response"), as_list=True)[0].tolist()]
         if not response:
             raise ValueError("the policy returned no tokens; CompactionTransform needs the sampled ids (TorchRL wrapper with prefer_tokens=True)")
+        if len(response) > self.max_new_tokens:  # T_comp >= max_new_tokens is what keeps every call inside C
+            raise ValueError(
+                f"the policy generated {len(response)} tokens > this transform's max_new_tokens={self.max_new_tokens}: the wrapper "
+                "and the transform must share one limit (generate_kwargs=SamplingSpec.generate_kwargs(max_new_tokens), crl/sampling.py)")
         full = [int(t) for t in tensordict.get(("tokens", "full"), as_list=True)[0].tolist()]
         prompt_prov = tensordict.get((_C, "provenance"))[0].tolist()
         if full[: len(prompt_prov)] != tensordict.get(("tokens", "prompt"), as_list=True)[0].tolist() or len(full) != len(prompt_prov) + len(response):
