@@ -302,12 +302,15 @@ def check_chat_budgets(cfg, codec: "TextCodec") -> None:
     """torchrl_chat: the CompactionTransform's own checks (texts vs budget) and, per split (train, dev), the reset of
     its first task and of its longest task prompt (``suite.query`` in tokens): a prompt that cannot fit the context
     fails here, naming the task, instead of every draw of it ending as FAILED mid-run."""
+    from tensordict import TensorDict, set_list_to_stack
+
     from crl.compaction import ConfigError
     from crl.config import ConfigValidationError
     from crl.torchrl_llm.collector import ChatCollector
 
     suite = build_chat_suite(cfg, codec.tokenizer)
     texts = chat_compaction_texts(cfg)
+    compaction = ChatCollector.make_compaction(codec.tokenizer, build_compaction_config(cfg, None), cfg.model.max_action_tokens, texts, 0)
     for split in ("train", "dev"):
         try:
             tasks = list(suite.tasks(split))
@@ -318,10 +321,7 @@ def check_chat_budgets(cfg, codec: "TextCodec") -> None:
             raise ConfigValidationError(f"env: listing the {split} tasks of {cfg.env.factory} raised {type(err).__name__}: {err}") from err
         for which, i in (("first", 0), ("longest", longest)) if longest else (("first", 0),):
             try:
-                compaction = ChatCollector.make_compaction(codec.tokenizer, build_compaction_config(cfg, None), cfg.model.max_action_tokens, texts, 0)
                 env = suite.make_env(tasks[i], compaction)
-                from tensordict import TensorDict, set_list_to_stack
-
                 with set_list_to_stack(True):
                     env.reset(TensorDict(query=[suite.query(tasks[i])], batch_size=(1,)))
                 env.close(raise_if_closed=False)

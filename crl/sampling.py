@@ -116,8 +116,8 @@ class SamplingSpec:
         if self.suppress_ids:
             raise ValueError("the vLLM backend cannot suppress tokens (SamplingSpec.suppress_ids); use model.backend=transformers")
         return vllm.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, min_p=0.0,  # top_k left at its default: all tokens (its
-            # "off" value moved from -1 to 0 across vLLM versions) repetition_penalty=1.0, presence_penalty=0.0,
+            # top_k left at its default, all tokens (its "off" value moved from -1 to 0 across vLLM versions)
+            temperature=self.temperature, top_p=self.top_p, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
             frequency_penalty=0.0, min_tokens=0, max_tokens=int(max_tokens), stop_token_ids=list(self.stop_token_ids),
             ignore_eos=True, logprobs=0, seed=int(seed), detokenize=False,
         )

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from crl.modules.generation import SamplingParams, sampling_log_probs
+from crl.sampling import SamplingSpec
 from crl.modules.presets import PRESETS  # re-exported: crl.modules.models.PRESETS
 
 
@@ -98,17 +98,12 @@ class CausalLMLogProbs(nn.Module):
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()):
         super().__init__()
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         self.lm = lm
-        self.temperature = temperature
-        self.top_p = top_p
-        self._params = SamplingParams(temperature=temperature, top_p=top_p)
-        # token ids the sampler never draws (transformers' suppress_tokens: logit -inf before temperature and top-p),
-        # excluded here too so that the learner's distribution is the sampler's (crl.torchrl_llm suppresses pad)
-        self.suppress_ids = tuple(int(i) for i in suppress_ids)
+        # the samplers' distribution (crl/sampling.py; it checks temperature and top_p). suppress_ids: token ids the
+        # sampler never draws (transformers' suppress_tokens: logit -inf before temperature and top-p), excluded here
+        # too so that the learner's distribution is the sampler's (crl.torchrl_llm suppresses pad)
+        self.sampling = SamplingSpec(temperature, top_p, suppress_ids=suppress_ids)
+        self.temperature, self.top_p, self.suppress_ids = self.sampling.temperature, self.sampling.top_p, self.sampling.suppress_ids
 
     @classmethod
     def from_spec(cls, lm: nn.Module, spec) -> "CausalLMLogProbs":
@@ -129,7 +124,7 @@ class CausalLMLogProbs(nn.Module):
             if self.suppress_ids:  # a suppressed id in the context (padding included) is never sampled: see top-p below
                 log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
         else:
-            logp_all = _shift(sampling_log_probs(logits, self._params))
+            logp_all = _shift(self.sampling.log_probs(logits))
             outside = torch.isneginf(logp_all)
             p_all = logp_all.exp()  # exactly 0 outside the top-p set, and so is its gradient
             entropy = -(p_all * logp_all.masked_fill(outside, 0.0)).sum(-1)
@@ -140,7 +135,7 @@ class CausalLMLogProbs(nn.Module):
         if alternatives is None:
             return log_prob * keep, entropy * keep
         rows, cols = ((alternatives >= 0).any(-1) & keep).nonzero(as_tuple=True)
-        logp = sampling_log_probs(logits[rows, cols - 1], self._params)  # [N, V]: the distribution at t - 1 predicts t
+        logp = self.sampling.log_probs(logits[rows, cols - 1])  # [N, V]: the distribution at t - 1 predicts t
         alt = alternatives[rows, cols]
         picked = logp.gather(-1, alt.clamp_min(0)).masked_fill(alt < 0, float("-inf"))
         log_prob_set = torch.zeros_like(log_prob).index_put((rows, cols), picked.logsumexp(-1))
