@@ -164,6 +164,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     threads: int = 1  # torch threads per process
+    # how long a collective waits for the other ranks before it raises (the process group's timeout, gloo and NCCL):
+    # a hung or unreachable machine ends the run on the others after this, with the checkpoint to resume from
+    # (scripts/train.py, docs/cluster.md). The warm start's wait has a group of its own (it may take longer).
+    dist_timeout_s: float = 1800.0
     precision: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU | fp32 | bf16 (needs CUDA)
     # episodes that FAILED (an environment exception or step timeout: the infrastructure, not the policy): drop them
     # from the learner (counted as episode/failed, kept in the evidence) | train them with reward 0
@@ -226,6 +230,9 @@ class VLLMConfig:
     enable_prefix_caching: bool = True  # reuse the keys/values of an episode's growing context
     sleep_between_phases: bool = False  # free the engine's GPU memory during the update (vLLM sleep mode; GPU only)
     cpu_threads_bind: str = "rank"  # CPU: rank: local rank r's engine on core r | auto: vLLM's choice | a core list "0-3"
+    # where each machine's weight syncs are written (local rank 0 of a machine writes, its engines read): a directory
+    # local to the machine, never a shared filesystem; null: /dev/shm (RAM), else $TMPDIR (docs/cluster.md)
+    weights_dir: Optional[str] = None
 
 
 @dataclass
@@ -427,6 +434,7 @@ def validate(cfg: Config) -> None:
     for key in ("iterations", "episodes_per_batch", "micro_batches", "policy_epochs", "policy_minibatches"):
         _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     _need(t.critic_updates >= 0, "train.critic_updates", "must be >= 0")
+    _need(t.dist_timeout_s > 0, "train.dist_timeout_s", f"must be > 0 seconds, got {t.dist_timeout_s}")
     _need(t.critic_warmup_iterations >= 0, "train.critic_warmup_iterations", "must be >= 0")
     _need(t.actor_lr > 0 and t.critic_lr > 0, "train.actor_lr/critic_lr", "must be > 0")
     _need(t.policy_minibatches <= t.episodes_per_batch, "train.policy_minibatches", f"{t.policy_minibatches} minibatches cannot split {t.episodes_per_batch} episodes")
@@ -463,6 +471,8 @@ def validate(cfg: Config) -> None:
           f"{v.max_model_len} is below compaction.context_capacity={c.context_capacity}: contexts up to C tokens must fit (or null)")
     _need(0 < v.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization", f"must be in (0, 1], got {v.gpu_memory_utilization}")
     _need(v.cpu_kv_cache_gb > 0, "vllm.cpu_kv_cache_gb", f"must be > 0, got {v.cpu_kv_cache_gb}")
+    _need(v.weights_dir is None or Path(v.weights_dir).is_dir(), "vllm.weights_dir",
+          f"{v.weights_dir} is not a directory on this machine: give a local directory (RAM: /dev/shm), or null")
     _need(v.cpu_threads_bind in ("rank", "auto") or all(part.replace("-", "").isdigit() for part in v.cpu_threads_bind.split(",")),
           "vllm.cpu_threads_bind", f"{v.cpu_threads_bind!r} is neither rank, auto nor a core list like 0-3 or 0,2")
     if cfg.deepspeed.config is not None:

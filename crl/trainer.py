@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import datetime
 import gc
 import json
 import math
@@ -76,7 +77,7 @@ def make_accelerator(cfg: Config):
     Returns ``(accelerator, deepspeed_config_or_None)``.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     ds_file = cfg.deepspeed.config
     if ds_file is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -87,8 +88,10 @@ def make_accelerator(cfg: Config):
     if cfg.train.precision == "bf16" and not cuda:
         raise ConfigValidationError("train.precision=bf16 needs a CUDA device; use auto or fp32 on CPU")
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+    # the process group's timeout (gloo and NCCL, DeepSpeed's init_distributed too): a lost machine ends the run
+    timeout = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))]
     if ds_file is None:
-        return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no"), None
+        return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=timeout), None
     ds = json.loads(Path(ds_file).read_text())
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two below and the world size
     ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of segments per backward
@@ -99,7 +102,7 @@ def make_accelerator(cfg: Config):
     # ZeRO-3 the trainer builds the actor and the critic under zero.Init itself, exactly around their construction
     # (crl.modules.zero3.zero3_init), so no rank ever holds a full model.
     plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds), zero3_init_flag=False) for name in ("actor", "critic")}
-    accelerator = Accelerator(deepspeed_plugins=plugins)
+    accelerator = Accelerator(deepspeed_plugins=plugins, kwargs_handlers=timeout)
     from transformers.integrations import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # accelerate registers the config with transformers, whose from_config would then zero.Init
@@ -280,11 +283,14 @@ class Trainer:
         if cfg.model.backend == "transformers":
             self.backend = make_backend("transformers", model=self.gen_lm, seed=stream_seed(seed, "policy", self.rank), device=self.device)
         else:
-            from crl.modules.vllm_backend import EngineSettings
+            from crl.modules.vllm_backend import EngineSettings, weights_dir
 
-            settings = EngineSettings(**{**dataclasses.asdict(cfg.vllm), "max_model_len": cfg.vllm.max_model_len or cfg.compaction.context_capacity})
-            self.backend = make_backend("vllm", model_path=cfg.model.preset, seed=stream_seed(seed, "policy", self.rank), settings=settings,
-                                        local_rank=self.local_rank)
+            self.backend = make_backend("vllm", model_path=cfg.model.preset, seed=stream_seed(seed, "policy", self.rank),
+                                        settings=EngineSettings.from_config(cfg), local_rank=self.local_rank)
+            self.weights_dir = weights_dir(self.run_dir, cfg.vllm.weights_dir)
+            if self.local_rank == 0:  # one line per machine: where its syncs go (RAM, local to the machine)
+                print(f"vLLM weight syncs of machine {os.environ.get('GROUP_RANK', '0')}: {self.weights_dir} "
+                      "(its local rank 0 writes, its engines read)", flush=True)
         self.frozen_backend = (make_backend("transformers", model=self.frozen_lm, seed=stream_seed(seed, "frozen", self.rank), device=self.device)
                                if self.frozen_lm is not None else None)
         self.collector = self.make_collector("train", self.stages[self.stage])
@@ -343,8 +349,6 @@ class Trainer:
         """
         if self.stage3 or self.world == 1:
             return self._warm_start_here()
-        import datetime
-
         waiting = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
         nll = failed = None
         if self.is_main:
@@ -688,9 +692,9 @@ class Trainer:
         """
         t0 = time.perf_counter()
         if self.cfg.model.backend == "vllm":
-            from crl.modules.vllm_backend import export_weights, weights_dir
+            from crl.modules.vllm_backend import export_weights
 
-            directory, writer = weights_dir(self.run_dir), self.local_rank == 0
+            directory, writer = self.weights_dir, self.local_rank == 0
             if writer:
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)

@@ -77,12 +77,9 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
     world = int(meta["world_size"])
     engine = None
     if cfg.model.backend == "vllm":  # the run sampled with vLLM: so does its evaluation, from the checkpoint's policy/
-        import dataclasses
-
         from crl.modules.vllm_backend import EngineSettings, VLLMBackend
 
-        settings = EngineSettings(**{**dataclasses.asdict(cfg.vllm), "max_model_len": cfg.vllm.max_model_len or cfg.compaction.context_capacity})
-        engine = VLLMBackend(cfg.model.preset, settings=settings)
+        engine = VLLMBackend(cfg.model.preset, settings=EngineSettings.from_config(cfg))
     counts = {}
     try:
         for rank in range(world):

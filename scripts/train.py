@@ -10,6 +10,8 @@ Writes RUN_DIR/{config.yaml, metrics.jsonl, curves.png, checkpoints/, evidence/}
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 from crl.config import ConfigValidationError, load_config
@@ -34,9 +36,46 @@ def main(argv=None) -> None:
 
         if isinstance(err, WarmStartError):  # ends the run before any RL iteration: one line, the probe and what to change
             _user_error(args, f"warm start failed: {err}")
+        if lost_process_group(err):  # another machine died, hung or left the network: where to resume, not a traceback
+            _user_error(args, resume_advice(cfg.run_dir, err))
         if not isinstance(err, (RunDirError, OSError)):
             raise  # a bug, not a user error: the traceback is the report
         _user_error(args, f"error: {err}")
+
+
+#: what gloo and NCCL say when a peer of a collective died (its sockets closed) or did not answer within the process
+#: group's timeout (train.dist_timeout_s); gloo raises plain RuntimeErrors, NCCL torch.distributed.DistError's
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_process_group(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is a collective that lost another process of the group."""
+    import torch.distributed as dist
+
+    while err is not None:
+        if isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(s in str(err) for s in LOST_PEER)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def resume_advice(run_dir, err: BaseException) -> str:
+    """One line: which rank lost the group and why, and the checkpoint the restart or a relaunch continues from."""
+    from crl.run_dir import newest_intact_checkpoint
+
+    checkpoint = newest_intact_checkpoint(run_dir, report=lambda _: None)
+    restarts, done = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if checkpoint is None:
+        where = f"{run_dir} has no intact checkpoint yet: a restart or relaunch starts afresh"
+    elif done < restarts:
+        where = f"the newest intact checkpoint is {checkpoint}: torchrun restarts the group (restart {done + 1} of {restarts}), which resumes from it"
+    else:
+        where = (f"the newest intact checkpoint is {checkpoint}: relaunch the same command on every machine to resume from it "
+                 "(checkpoint.resume=auto), or launch with torchrun --max-restarts to restart by itself")
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__  # gloo's source location
+    cause = cause if len(cause) <= 160 else cause[:160] + "..."
+    return (f"error: rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} lost the process group ({cause}): a "
+            f"process on another machine died, hung past train.dist_timeout_s or became unreachable; {where} (docs/cluster.md)")
 
 
 def _user_error(args, message: str) -> None:

@@ -163,6 +163,8 @@ def test_paper_config_loads():
         ("vllm.gpu_memory_utilization=1.5", "vllm.gpu_memory_utilization"),
         ("vllm.cpu_kv_cache_gb=0", "vllm.cpu_kv_cache_gb"),
         ("vllm.cpu_threads_bind=core0", "vllm.cpu_threads_bind"),
+        ("vllm.weights_dir=/no/such/dir", "vllm.weights_dir"),
+        ("train.dist_timeout_s=0", "train.dist_timeout_s"),
         ("model.backend=vllm", "model.backend"),  # a preset: vLLM serves a checkpoint directory
         ("tools.sandbox_ro_paths=[/no/such/dir]", "tools.sandbox_ro_paths"),
         ("tools.sandbox_ro_paths=[relative]", "tools.sandbox_ro_paths"),

@@ -222,8 +222,8 @@ def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
 
     lm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     for lose in (0, 1):
-        t = NS(cfg=NS(model=NS(backend="vllm")), run_dir=tmp_path, local_rank=0, lm=lm, backend=Engine(lose), policy_version=4,
-               _barrier=lambda: None)
+        t = NS(cfg=NS(model=NS(backend="vllm")), weights_dir=tmp_path / "weights", local_rank=0, lm=lm, backend=Engine(lose),
+               policy_version=4, _barrier=lambda: None)
         if lose:
             with pytest.raises(RuntimeError, match=r"exported 4 tensors, the engine read 3 .* policy_version stays 3 \(not 4\)"):
                 Trainer.sync_policy_weights(t)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
@@ -53,6 +54,14 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     sleep_between_phases: bool = False
     cpu_threads_bind: str = "rank"
+
+    @classmethod
+    def from_config(cls, cfg) -> "EngineSettings":
+        """A run's engine: its ``vllm`` section (less ``weights_dir``, the trainer's), ``max_model_len`` defaulting to
+        ``compaction.context_capacity``."""
+        keys = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in dataclasses.asdict(cfg.vllm).items() if k in keys}
+        return cls(**{**given, "max_model_len": cfg.vllm.max_model_len or cfg.compaction.context_capacity})
 
 
 def _cuda() -> bool:
@@ -106,14 +115,18 @@ def rank_placement(local_rank: int, settings: EngineSettings):
                 os.environ[k] = v
 
 
-def weights_dir(run_dir: str | os.PathLike) -> Path:
-    """Where the weights of ``run_dir``'s syncs are written: RAM-backed ``/dev/shm`` when there is one; one path per run
-    directory and user, the same for every rank of a machine (local rank 0 writes, every engine there reads)."""
+def weights_dir(run_dir: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
+    """Where the weights of ``run_dir``'s syncs are written: under ``base`` (``vllm.weights_dir``; default the RAM-backed
+    ``/dev/shm`` when there is one, else ``$TMPDIR``); one path per run directory, user and machine, the same for every
+    rank of a machine (local rank 0 writes, every engine there reads). The machine's number (torchrun's
+    ``GROUP_RANK``) is part of the name, so machines that share ``base`` (several on one host; a shared filesystem
+    set by mistake) never write one directory."""
     import hashlib
 
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    if base is None:
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
     tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    return base / f"crl-weights-{os.getuid()}-{tag}"
+    return Path(base) / f"crl-weights-{os.getuid()}-{tag}-machine{os.environ.get('GROUP_RANK', '0')}"
 
 
 def export_weights(lm: nn.Module, directory: str | os.PathLike, *, write: bool = True) -> int:

@@ -1,0 +1,222 @@
+"""More than one machine, launched as docs/cluster.md says, with every "machine" on 127.0.0.1 (one process each):
+
+* accelerate's ``standard`` multi-node launcher (configs/accelerate/cpu_zero2_2machines.yaml) trains under ZeRO-2 and
+  ZeRO-3: audit PASS, rollout ids disjoint across the machines;
+* the vLLM backend writes each machine's weight syncs into that machine's own directory (``vllm.weights_dir``, two
+  directories standing for two machines' /dev/shm) and each engine reads its own: PPO's first minibatch after every
+  sync has approx_kl ~ 0 on both;
+* a worker killed mid-iteration under torchrun's elastic restarts (c10d rendezvous, ``--max-restarts``): the group
+  comes back from the newest intact checkpoint, every iteration is logged exactly once, audit PASS;
+* the same without restarts, and a machine that hangs (SIGSTOP): the surviving machine ends within a bounded time
+  (``train.dist_timeout_s``) with one line naming the checkpoint to resume from.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from _gloo import free_port
+from crl.episode import load_episodes
+from crl.run_dir import verify_checkpoint
+from test_multirank import ENV, TINY, audit, metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT_S = 900
+
+
+def start(cmd, log) -> subprocess.Popen:
+    """One machine's launcher, its output in ``log`` (a file: two launchers must not block on full pipes)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def start_machines(cmds, logs, port: int) -> list[subprocess.Popen]:
+    """Machine 0's launcher first, the others once its rendezvous port listens: on one host, a launcher that comes
+    first on the port would otherwise take it (c10d: every launcher tries to host the store on 127.0.0.1), and
+    accelerate refuses machine 0's launch on a port in use."""
+    procs = [start(cmds[0], logs[0])]
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert procs[0].poll() is None and time.monotonic() < deadline, Path(logs[0]).read_text()[-3000:]
+            time.sleep(0.2)
+    return procs + [start(cmd, log) for cmd, log in zip(cmds[1:], logs[1:])]
+
+
+def finish(procs, logs, timeout=LAUNCH_TIMEOUT_S) -> list[str]:
+    """Wait for every launcher (killing all of them past ``timeout``); returns their outputs."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait()
+    return [Path(log).read_text() for log in logs]
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        parent = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for proc in [*parent.children(recursive=True), parent]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def worker_of(launcher: subprocess.Popen) -> psutil.Process:
+    """The training process a launcher (torchrun's agent, or accelerate's in-process one) started on its machine."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        workers = [c for c in psutil.Process(launcher.pid).children() if "scripts/train.py" in " ".join(c.cmdline())]
+        if workers:
+            return workers[0]
+        time.sleep(0.5)
+    raise AssertionError("no training process appeared under the launcher")
+
+
+def wait_for(path: Path, procs, timeout=600) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        assert all(p.poll() is None for p in procs), "a launcher ended before the checkpoint"
+        time.sleep(0.2)
+
+
+def accelerate_machine(rank: int, port: int, run, *overrides, zero: int = 2, restarts: int | None = None) -> list[str]:
+    """docs/cluster.md's command on machine ``rank`` (of 2), every machine at 127.0.0.1; with ``restarts`` the
+    elastic form (``--max_restarts``, c10d rendezvous: accelerate hands both to torchrun's agent)."""
+    ds = [] if zero == 2 else ["--deepspeed_config_file", "configs/deepspeed/zero3.json"]
+    elastic = [] if restarts is None else ["--rdzv_backend", "c10d", "--max_restarts", str(restarts), "--monitor_interval", "1"]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2_2machines.yaml",
+            "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *ds, *elastic,
+            "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}", *TINY, *overrides]
+
+
+def torchrun_machine(rank: int, port: int, run, *overrides, restarts: int | None = None) -> list[str]:
+    """torchrun on machine ``rank`` of 2: a static rendezvous (``--node_rank``), or with ``restarts`` the elastic one
+    (c10d rendezvous, ``--max-restarts``) — docs/cluster.md's two forms."""
+    if restarts is None:
+        rdzv = ["--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    else:
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "crl-test", "--max-restarts", str(restarts),
+                "--monitor-interval", "1"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", *rdzv,
+            "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}", *TINY, *overrides]
+
+
+def rollout_ids(run, iteration: int, rank: int) -> set:
+    ev = Path(run) / "evidence" / f"iter_{iteration:06d}" / f"rank_{rank}"
+    return set(load_episodes(ev / "rollout.pt")["rollout_id"].tolist())
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_two_machines_train_with_deepspeed(tmp_path, zero):
+    run, port = tmp_path / "run", free_port()
+    logs = [tmp_path / f"machine{r}.log" for r in (0, 1)]
+    procs = start_machines([accelerate_machine(r, port, run, "train.iterations=2", zero=zero) for r in (0, 1)], logs, port)
+    outs = finish(procs, logs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-4000:] for o in outs)
+    for it in (0, 1):
+        first, second = rollout_ids(run, it, 0), rollout_ids(run, it, 1)
+        assert first and second and not first & second, (it, first, second)
+    assert [r["step"] for r in metrics(run) if r["step"] > 0] == [1, 2]
+    audit(run)
+
+
+def test_each_machine_syncs_vllm_weights_through_its_own_directory(tmp_path):
+    from _vllm import require_vllm, tiny_checkpoint
+    from test_vllm_training import TOL, VLLM
+
+    require_vllm()
+    ckpt = tiny_checkpoint(tmp_path / "tiny", seed=1)
+    run, port = tmp_path / "run", free_port()
+    shm = [tmp_path / f"machine{r}_shm" for r in (0, 1)]  # each machine's own /dev/shm
+    logs = [tmp_path / f"machine{r}.log" for r in (0, 1)]
+    cmds = []
+    for r in (0, 1):
+        shm[r].mkdir()
+        overrides = [f"model.preset={ckpt}", *VLLM, "warm_start.steps=20", "train.iterations=2", f"vllm.weights_dir={shm[r]}"]
+        cmds.append(torchrun_machine(r, port, run, *overrides))
+    procs = start_machines(cmds, logs, port)
+    outs = finish(procs, logs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-4000:] for o in outs)
+    for r in (0, 1):  # one writer per machine, into its own directory; nothing left behind
+        line = [x for x in outs[r].splitlines() if x.startswith(f"vLLM weight syncs of machine {r}: ")]
+        assert len(line) == 1 and line[0].split(": ")[1].split(" ")[0].startswith(str(shm[r])), outs[r][-3000:]
+        assert list(shm[r].iterdir()) == []
+    recs = [r for r in metrics(run) if "policy/approx_kl" in r]
+    assert [r["step"] for r in recs] == [1, 2] and all(abs(r["policy/approx_kl"]) < TOL for r in recs), recs  # mean over both machines
+    audit(run)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_a_killed_worker_is_restarted_from_the_newest_checkpoint(tmp_path, launcher):
+    """Elastic restarts (c10d rendezvous, at most 2): machine 1's worker is killed (SIGKILL) right after iteration 2's
+    checkpoint; both machines restart their workers, which resume from the newest intact checkpoint and finish.
+    torchrun (DDP) and accelerate's standard launcher (DeepSpeed ZeRO-2)."""
+    run, port = tmp_path / "run", free_port()
+    logs = [tmp_path / f"machine{r}.log" for r in (0, 1)]
+    common = ["train.iterations=5", "checkpoint.every=1"]
+    machine = torchrun_machine if launcher == "torchrun" else accelerate_machine
+    procs = start_machines([machine(r, port, run, *common, restarts=2) for r in (0, 1)], logs, port)
+    try:
+        wait_for(run / "checkpoints" / "iter_000001", procs)
+        worker_of(procs[1]).kill()
+    except BaseException:
+        finish(procs, logs, timeout=1)
+        raise
+    outs = finish(procs, logs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-4000:] for o in outs)
+    assert "resumed from " in "".join(outs), outs[0][-3000:]
+    assert [r["step"] for r in metrics(run) if r["step"] > 0] == [1, 2, 3, 4, 5]  # no gap, no iteration twice
+    ids = [rollout_ids(run, it, rank) for it in range(5) for rank in (0, 1)]
+    assert sum(map(len, ids)) == len(set().union(*ids))  # no rollout id reused across the restart
+    audit(run)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_without_restarts_the_survivor_names_the_checkpoint(tmp_path, fault):
+    """No --max-restarts: machine 1's worker is killed (its sockets close) or stopped (SIGSTOP: a hung machine, the
+    sockets stay open) mid-run. Machine 0 ends within train.dist_timeout_s (+ margin) with one line naming the newest
+    intact checkpoint; no traceback of ours."""
+    run, port = tmp_path / "run", free_port()
+    logs = [tmp_path / f"machine{r}.log" for r in (0, 1)]
+    timeout_s = 60
+    common = ["train.iterations=50", "checkpoint.every=1", f"train.dist_timeout_s={timeout_s}"]
+    procs = start_machines([torchrun_machine(r, port, run, *common) for r in (0, 1)], logs, port)
+    try:
+        wait_for(run / "checkpoints" / "iter_000001", procs)
+        worker = worker_of(procs[1])
+        worker.kill() if fault == "killed" else worker.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        procs[0].wait(timeout=timeout_s + 120)
+        ended_after = time.monotonic() - t0
+        if fault == "killed":
+            procs[1].wait(timeout=120)
+    finally:
+        outs = finish(procs, logs, timeout=1)
+    assert procs[0].returncode != 0
+    if fault == "hung":
+        assert ended_after > timeout_s * 0.5, ended_after  # it waited for the hung machine, up to the timeout
+    lines = [x for x in outs[0].splitlines() if x.startswith("error: rank 0 of 2 lost the process group")]
+    assert len(lines) == 1, outs[0][-4000:]
+    named = lines[0].split("the newest intact checkpoint is ")[1].split(":")[0]
+    assert Path(named).parent == run / "checkpoints" and verify_checkpoint(named) is None, lines[0]
+    assert f'"{ROOT}/crl/' not in outs[0] and 'train.py", line' not in outs[0], outs[0][-4000:]  # no traceback of ours
