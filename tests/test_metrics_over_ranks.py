@@ -7,11 +7,14 @@ import os
 import sys
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gloo import spawn_ranks  # noqa: E402
+
+pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
 
 PER_RANK = [  # rank 1 lists a key rank 0 does not, rank 0 a NaN and a key with nothing finite
     {"policy/approx_kl": [0.1, 0.3], "critic/explained_variance": [float("nan"), 0.5], "policy/only_nan": [float("nan")]},

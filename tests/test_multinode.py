@@ -26,6 +26,8 @@ from crl.episode import load_episodes
 from crl.run_dir import verify_checkpoint
 from test_multirank import ENV, TINY, audit, metrics
 
+pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 900
 

@@ -13,6 +13,8 @@ import pytest
 from _gloo import free_port
 from crl.episode import EpisodeStatus, load_episodes
 
+pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 # model.value_head_init=normal: the audits below need >= 1 positive actor and critic gradient norm, which a zero value
 # head gives only if some batch holds a reward; after a 20-step warm start that is a draw (one process, 4 episodes x 4

@@ -15,6 +15,8 @@ from test_ppo_loss import make_batch, make_models, run_step, split_rows  # noqa:
 
 from crl.objectives import CompactionPPOLoss, make_normalizer  # noqa: E402
 
+pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
+
 WORLD = 2
 AGGREGATIONS = ("token_sum_global", "segment_mean")
 

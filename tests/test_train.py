@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _gloo import free_port
 from crl.config import ConfigValidationError, load_config
 from crl.episode import load_episodes
 
@@ -39,13 +40,13 @@ def metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("stage, port", [(2, 29547), (3, 29549)])
-def test_deepspeed_two_processes_then_audit_passes(tmp_path, stage, port):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_two_processes_then_audit_passes(tmp_path, stage):
     """The CI end-to-end check: 2 CPU ranks, ZeRO-2 / ZeRO-3, PPO updates on compacted episodes, then the audit."""
     run_dir = tmp_path / "ds"
     run([
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/cpu_zero{stage}.yaml",
-        "--main_process_port", str(port), *train_cmd(run_dir, "train.iterations=2", "warm_start.steps=150",
+        "--main_process_port", str(free_port()), *train_cmd(run_dir, "train.iterations=2", "warm_start.steps=150",
                                                    "train.episodes_per_batch=6")[1:],
     ])
     for it in ("iter_000000", "iter_000001"):
@@ -86,12 +87,12 @@ def test_zero3_builds_partitioned_and_trains_like_zero2(tmp_path):
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     args = ("train.iterations=2", "warm_start.steps=20", "train.episodes_per_batch=6", f"model.preset={ckpt}")
     runs = {}
-    for stage, port, script in ((2, 29551, "scripts/train.py"), (3, 29553, "tests/_rank_probe.py")):
+    for stage, script in ((2, "scripts/train.py"), (3, "tests/_rank_probe.py")):
         runs[stage] = tmp_path / f"zero{stage}"
         cmd = train_cmd(runs[stage], *args)
         cmd[1] = script
         run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/cpu_zero{stage}.yaml",
-             "--main_process_port", str(port), *cmd[1:]])
+             "--main_process_port", str(free_port()), *cmd[1:]])
     for rank in (0, 1):
         probe = json.loads((runs[3] / f"probe_rank{rank}.json").read_text())
         for name in ("actor_built", "actor_after_warm_start", "critic_backbone_built"):
@@ -194,7 +195,7 @@ def test_a_warm_start_that_cannot_read_ends_the_run_before_rl(tmp_path, ranks):
     cmd = train_cmd(run_dir, "warm_start.steps=3", "warm_start.stop_answer_p=0.99", "warm_start.probe_every=1")
     if ranks == 2:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml",
-               "--main_process_port", "29561", *cmd[1:]]
+               "--main_process_port", str(free_port()), *cmd[1:]]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, proc.stdout[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("warm start failed:")]

@@ -7,6 +7,8 @@ import torch
 from _vllm import require_vllm, tiny_checkpoint
 from crl.modules.generation import SamplingParams, TransformersBackend, make_backend, sampling_log_probs
 
+pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
+
 # fp32 on this CPU: vLLM's log-probs against a teacher-forced transformers forward of the same weights (measured
 # max 5e-7 at the checkpoint's own weights, 1e-5 after a sync of perturbed weights: vLLM's kernels sum in another order)
 TOL = 5e-5

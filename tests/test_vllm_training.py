@@ -15,6 +15,8 @@ from _gloo import free_port
 from _vllm import require_vllm, tiny_checkpoint
 from crl.config import load_config
 
+pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 5e-5  # behaviour vs learner log-probs, fp32 on this CPU (tests/test_vllm_backend.py)
 VLLM = ["model.backend=vllm", "vllm.cpu_kv_cache_gb=0.25", "logging.wandb_mode=disabled", "logging.progress=false",
