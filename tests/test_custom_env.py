@@ -133,6 +133,7 @@ def test_chat_prompt_texts_render_through_the_template(smollm2_dir):
     assert "Output: record 1" in codec.decode(fmt.observation_ids("record 1"))
 
 
+@pytest.mark.slow
 def test_example_trains_through_scripts_train_and_audits(tmp_path):
     """The user's path: scripts/train.py --config examples/key_value.yaml, from the repository root, then the audit."""
     env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin"}

@@ -31,6 +31,7 @@ def logged_dev_success(run_dir):
     return {r["step"]: r["dev/success"] for r in recs if "dev/success" in r}
 
 
+@pytest.mark.slow
 def test_evaluate_script_equals_the_trainers_evaluation_of_each_checkpoint(tmp_path):
     """eval.every=1: a run logs dev/success after every iteration and checkpoints it; evaluate.py on each checkpoint
     with the run's eval.episodes gives the same success, while the run directory is locked by another holder
@@ -54,6 +55,7 @@ def test_evaluate_script_equals_the_trainers_evaluation_of_each_checkpoint(tmp_p
     assert len(seen) > 1, "every evaluation gave the same number: the comparison cannot tell policies apart"
 
 
+@pytest.mark.slow
 def test_evaluate_script_command_line(tmp_path):
     """The command a user runs: the test split, the newest checkpoint, a report file; bad input names the problem."""
     import subprocess

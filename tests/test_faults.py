@@ -673,6 +673,7 @@ def metric_lines(run_dir):
 AUDITABLE = ("warm_start.steps=60", "train.episodes_per_batch=8", "model.value_head_init=normal")
 
 
+@pytest.mark.slow
 def test_resume_keeps_checkpoints_pinned_by_evidence_on_disk(tmp_path, monkeypatch):
     """Row: kill + resume with evidence_every=2 keep_last=1 deleted the checkpoint earlier evidence points to."""
     args = ("train.iterations=4", "checkpoint.every=1", "checkpoint.keep_last=1", "checkpoint.evidence_every=2", *AUDITABLE)
@@ -688,6 +689,7 @@ def test_resume_keeps_checkpoints_pinned_by_evidence_on_disk(tmp_path, monkeypat
     assert code == 0 and "audit: PASS" in out, out
 
 
+@pytest.mark.slow
 def test_kill_between_evidence_and_checkpoint_redoes_the_iteration(tmp_path, monkeypatch):
     """Row: killed after a checkpoint became visible but before that iteration's evidence: evidence now comes first,
     so a kill at the checkpoint leaves the iteration uncommitted and the rerun redoes it (audit PASS)."""
@@ -707,6 +709,7 @@ def test_kill_between_evidence_and_checkpoint_redoes_the_iteration(tmp_path, mon
     assert code == 0 and "audit: PASS" in out, out
 
 
+@pytest.mark.slow
 def test_evidence_on_critic_warmup_iterations_passes_the_audit(tmp_path):
     """Row: evidence on a critic warm-up iteration (the trainer never wrote critic_warmup into the meta)."""
     run = tmp_path / "run"

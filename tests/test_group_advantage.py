@@ -102,6 +102,7 @@ def test_bad_group_configs_fail_at_load(override, key):
         load_config(ROOT / "configs/default.yaml", override)
 
 
+@pytest.mark.slow
 def test_trainer_without_a_critic(tmp_path):
     """algo.estimator=group, 2 groups of 4: consecutive episodes share a task and a group id; no critic is built,
     trained, checkpointed or listed; the audit recomputes the advantages with its own loop and passes."""

@@ -296,6 +296,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.processes  # several processes (tests/conftest.py)
 def test_gradients_equal_naive_learner_on_two_gloo_ranks_with_ddp():
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")

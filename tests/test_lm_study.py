@@ -189,6 +189,7 @@ def test_study_arm_configs():
         assert got == diff, arm
 
 
+@pytest.mark.slow
 def test_lm_study_quick_report_and_resume(tmp_path):
     """``scripts/lm_study.py --quick`` (a use of scripts/sweep.py) trains joint and frozen at seed 7 as two parallel
     scripts/train.py runs, audits both (PASS), writes report.json (the issue's structure, plus the sweep's rows and
@@ -315,6 +316,7 @@ def test_gate_is_computed_from_the_final_evaluations():
     assert mod.Study.gate({"joint": {"seeds": {}}}) is None  # no frozen arm: no gate
 
 
+@pytest.mark.slow
 def test_lm_study_quick_covers_the_group_estimator_and_the_test_split(tmp_path):
     """--quick on configs/study96 with the critic-free group arm beside joint and frozen: all three train, audit
     PASS, are evaluated on the test split, and the report carries the gate and each arm's budget and wall time."""

@@ -139,6 +139,7 @@ def run_and_audit(cmd, run_dir, timeout=900):
     return proc
 
 
+@pytest.mark.slow
 def test_train_py_on_the_tool_task_two_iterations_sandboxed_compacts_and_audits(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_and_audit([sys.executable, "scripts/train.py", "--config", "configs/python_tool.yaml", f"run_dir={run_dir}",

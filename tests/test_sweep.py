@@ -140,6 +140,7 @@ def test_cli_refuses_ambiguous_arms():
 
 
 # ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     """``sweep.py --quick``: 4 runs (seeds 0 1 x kernels default avx2) of configs/default.yaml, trained by
     scripts/train.py, audited PASS, final checkpoints evaluated; each training process ran with the capability its

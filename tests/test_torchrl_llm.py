@@ -257,6 +257,7 @@ def chat_config(tmp_path, extra=()):
     return base
 
 
+@pytest.mark.slow
 def test_trainer_trains_a_chat_env_suite_through_train_py_and_audits_pass(tmp_path):
     overrides = chat_config(tmp_path)
     cmd = [sys.executable, "scripts/train.py", "--config", "configs/default.yaml", *overrides]
@@ -303,6 +304,7 @@ def test_a_task_prompt_too_long_for_the_context_fails_at_start_naming_the_task(t
     check_budgets(load_config(str(ROOT / "configs/default.yaml"), chat_config(tmp_path)), build_tokenizer(cfg))  # the plain suite passes
 
 
+@pytest.mark.processes  # several processes (tests/conftest.py)
 def test_two_ranks_under_accelerate_zero2_give_unique_rollout_ids_and_audit_pass(tmp_path):
     """``accelerate launch`` (DeepSpeed ZeRO-2, 2 gloo ranks) on a ChatEnv suite: each rank plays its own episodes
     (rollout ids rank + 2n), the audit checks every iteration's rows over both ranks."""

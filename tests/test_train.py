@@ -40,6 +40,7 @@ def metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.processes  # several processes (tests/conftest.py)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_two_processes_then_audit_passes(tmp_path, stage):
     """The CI end-to-end check: 2 CPU ranks, ZeRO-2 / ZeRO-3, PPO updates on compacted episodes, then the audit."""
@@ -80,6 +81,7 @@ def tiny_checkpoint(path):
     return path
 
 
+@pytest.mark.processes  # several processes (tests/conftest.py)
 def test_zero3_builds_partitioned_and_trains_like_zero2(tmp_path):
     """ZeRO-3 at real size: actor (from a checkpoint), warm-started actor and critic backbone are partitioned on
     every rank before the engines exist (no rank holds more than its share), sampling runs through the partitioned
@@ -119,6 +121,7 @@ def comparable(records, steps):
     return out
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
     args = ("train.iterations=4", "checkpoint.every=1", "checkpoint.evidence_every=100", "train.episodes_per_batch=6", "warm_start.steps=30")
     run(train_cmd(tmp_path / "straight", *args))
@@ -185,6 +188,7 @@ def test_contradictory_choices_and_cli_message(tmp_path):
     assert not (tmp_path / "never").exists()  # refused before anything is written
 
 
+@pytest.mark.processes  # several processes (tests/conftest.py)
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_warm_start_that_cannot_read_ends_the_run_before_rl(tmp_path, ranks):
     """A budget too small to learn reading (3 warm-start steps, probe threshold 0.99): the run ends before any RL
