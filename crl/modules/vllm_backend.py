@@ -141,12 +141,7 @@ def default_weights_base(need_bytes: int) -> Path:
 
 def weight_bytes(lm: nn.Module) -> int:
     """Bytes of ``lm``'s parameters as :func:`export_weights` writes them (whole, under ZeRO-3 too; tied once)."""
-    seen, total = set(), 0
-    for p in lm.parameters():  # parameters() yields a tied tensor once
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += getattr(p, "ds_numel", p.numel()) * p.element_size()
-    return total
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in lm.parameters())  # a tied tensor is yielded once
 
 
 def export_weights(lm: nn.Module, directory: str | os.PathLike, *, write: bool = True) -> int:
