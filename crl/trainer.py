@@ -361,6 +361,9 @@ class Trainer:
         box = [nll, torch.get_rng_state(), failed]
         torch.distributed.broadcast_object_list(box, src=0, group=waiting)
         if box[2] is not None:
+            # every rank holds the failure before any exits: a launcher that stops the group at the first exit (torchrun)
+            # cannot leave a rank that never learned of it
+            torch.distributed.barrier(group=waiting)
             torch.distributed.destroy_process_group(waiting)
             raise WarmStartError(box[2])
         with torch.no_grad():

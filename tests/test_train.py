@@ -192,7 +192,7 @@ def test_contradictory_choices_and_cli_message(tmp_path):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_warm_start_that_cannot_read_ends_the_run_before_rl(tmp_path, ranks):
     """A budget too small to learn reading (3 warm-start steps, probe threshold 0.99): the run ends before any RL
-    iteration, every rank exits non-zero (with 2 ranks rank 0 computes the warm start while rank 1 waits: rank 1 must
+    iteration, the run exits non-zero (with 2 ranks rank 0 computes the warm start while rank 1 waits: rank 1 must
     learn of the failure instead of waiting at the barrier), the last line of stderr is one line naming the probe
     value and the keys to change, the probe is in metrics.jsonl, and no checkpoint or RL metric was written."""
     run_dir = tmp_path / "run"
@@ -203,7 +203,11 @@ def test_a_warm_start_that_cannot_read_ends_the_run_before_rl(tmp_path, ranks):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, proc.stdout[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("warm start failed:")]
-    assert len(lines) == ranks, proc.stderr[-3000:]  # one line per process, nothing else of ours
+    # one line per process that got to print it: torchrun stops the group at the first rank's exit, which may come
+    # before the other rank's line (both ranks passed the barrier after the failure's broadcast: both learned of it)
+    assert 1 <= len(lines) <= ranks and len(set(lines)) == 1, proc.stderr[-3000:]
+    if ranks == 2:
+        assert "exitcode  : 1" in proc.stderr and "Timed out" not in proc.stderr, proc.stderr[-3000:]
     assert "after 3 steps (warm_start.steps) the answer probe is 0." in lines[0] and "< warm_start.stop_answer_p=0.99" in lines[0]
     assert "warm_start.lr" in lines[0] and "Traceback" not in proc.stderr.split(lines[0])[0][-400:]
     recs = metrics(run_dir)
