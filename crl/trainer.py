@@ -283,13 +283,15 @@ class Trainer:
         if cfg.model.backend == "transformers":
             self.backend = make_backend("transformers", model=self.gen_lm, seed=stream_seed(seed, "policy", self.rank), device=self.device)
         else:
-            from crl.modules.vllm_backend import EngineSettings, weight_bytes, weights_dir
+            from crl.modules.vllm_backend import EngineSettings, remove_stale_weights_dirs, weight_bytes, weights_dir
 
             self.backend = make_backend("vllm", model_path=cfg.model.preset, seed=stream_seed(seed, "policy", self.rank),
                                         settings=EngineSettings.from_config(cfg), local_rank=self.local_rank)
             size = weight_bytes(self.lm)
             self.weights_dir = weights_dir(self.run_dir, cfg.vllm.weights_dir, need_bytes=size)
             if self.local_rank == 0:  # one line per machine: where its syncs go (RAM, local to the machine)
+                for stale in remove_stale_weights_dirs(self.weights_dir.parent):  # left in RAM by a killed run
+                    print(f"removed {stale}: the weight directory of a run killed on this machine", flush=True)
                 print(f"vLLM weight syncs of machine {os.environ.get('GROUP_RANK', '0')}: {self.weights_dir} ({size / 2**20:.1f} MiB "
                       "per sync; its local rank 0 writes, its engines read; vllm.weights_dir to change)", flush=True)
         self.frozen_backend = (make_backend("transformers", model=self.frozen_lm, seed=stream_seed(seed, "frozen", self.rank), device=self.device)
@@ -696,12 +698,13 @@ class Trainer:
         """
         t0 = time.perf_counter()
         if self.cfg.model.backend == "vllm":
-            from crl.modules.vllm_backend import export_weights
+            from crl.modules.vllm_backend import claim_weights_dir, export_weights
 
             directory, writer = self.weights_dir, self.local_rank == 0
             if writer:
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
+                claim_weights_dir(directory)
             self._barrier()
             try:
                 exported = export_weights(self.lm, directory, write=writer)

@@ -260,3 +260,36 @@ def test_weight_syncs_fall_back_from_a_small_dev_shm(monkeypatch, tmp_path):
     lm = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     lm[1].weight = lm[0].weight  # tied, as SmolLM2's lm_head
     assert vb.weight_bytes(lm) == 10 * 4 * 4
+
+
+def test_weight_dirs_left_by_a_killed_run_are_removed(tmp_path):
+    """Issue 27 defect 6: a run killed by SIGKILL left its weight directory in RAM (/dev/shm). A process that claimed a
+    directory and was then killed has it removed by the next run's cleanup (what the trainer runs at start-up on each
+    machine); directories of a living process, without an owner file, or whose pid was reused by another process
+    (another start time) are judged correctly."""
+    import signal
+    import subprocess
+    import sys
+
+    from crl.modules import vllm_backend as vb
+
+    killed = tmp_path / "crl-weights-0-aaaa-machine0"
+    code = ("import os, signal, sys; from pathlib import Path; from crl.modules.vllm_backend import claim_weights_dir; "
+            "d = Path(sys.argv[1]); d.mkdir(); (d / '000000.safetensors').write_bytes(b'x'); claim_weights_dir(d); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code, str(killed)], env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    assert proc.returncode == -signal.SIGKILL and (killed / "owner").is_file()
+    alive = tmp_path / "crl-weights-0-bbbb-machine0"
+    alive.mkdir()
+    vb.claim_weights_dir(alive)
+    unowned = tmp_path / "crl-weights-0-cccc-machine0"  # being created (mkdir before the owner file), or not crl's
+    unowned.mkdir()
+    reused = tmp_path / "crl-weights-0-dddd-machine0"  # our pid, but recorded with another start time: a reused pid
+    reused.mkdir()
+    host, pid, start = (alive / "owner").read_text().split()
+    (reused / "owner").write_text(f"{host} {pid} {int(start) + 1}\n")
+    elsewhere = tmp_path / "crl-weights-0-eeee-machine1"  # another host's (a shared filesystem set by mistake)
+    elsewhere.mkdir()
+    (elsewhere / "owner").write_text("another-host 1 1\n")
+    assert vb.remove_stale_weights_dirs(tmp_path) == [killed, reused]
+    assert not killed.exists() and not reused.exists() and alive.is_dir() and unowned.is_dir() and elsewhere.is_dir()

@@ -39,7 +39,8 @@ from torch import nn
 
 from crl.modules.generation import Generation, SamplingParams, stream_seed
 
-__all__ = ["EngineSettings", "VLLMBackend", "default_weights_base", "export_weights", "weight_bytes", "weights_dir"]
+__all__ = ["EngineSettings", "VLLMBackend", "claim_weights_dir", "default_weights_base", "export_weights", "remove_stale_weights_dirs",
+           "weight_bytes", "weights_dir"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,44 @@ def weights_dir(run_dir: str | os.PathLike, base: str | os.PathLike | None = Non
     base = default_weights_base(need_bytes) if base is None else Path(base)
     tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
     return base / f"crl-weights-{os.getuid()}-{tag}-machine{os.environ.get('GROUP_RANK', '0')}"
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` on this host (``/proc/PID/stat`` field 22, clock ticks since boot), None when
+    no such process runs: with the pid it names one process, even after the pid is reused."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def claim_weights_dir(directory: Path) -> None:
+    """Write ``directory/owner`` (host, pid, the pid's start time): the process that removes the directory when done.
+    A process killed before that (SIGKILL, the OOM killer) leaves its weights in RAM; :func:`remove_stale_weights_dirs`
+    of a later run on the machine removes them."""
+    import socket
+
+    (directory / "owner").write_text(f"{socket.gethostname()} {os.getpid()} {_process_start(os.getpid())}\n")
+
+
+def remove_stale_weights_dirs(base: str | os.PathLike) -> list[Path]:
+    """Remove ``base/crl-weights-*`` directories of this user whose ``owner`` (:func:`claim_weights_dir`) is a process of
+    this host that no longer runs (its pid gone, or reused by a process started at another time). Directories without an
+    owner file (being created, or not crl's) and those of other hosts or users are left alone. Returns the removed."""
+    import socket
+
+    host, removed = socket.gethostname(), []
+    for d in sorted(Path(base).glob("crl-weights-*")):
+        try:
+            if not d.is_dir() or d.stat().st_uid != os.getuid():
+                continue
+            owner_host, pid, start = (d / "owner").read_text().split()
+        except (OSError, ValueError):
+            continue
+        if owner_host == host and _process_start(int(pid)) != start:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def default_weights_base(need_bytes: int) -> Path:
@@ -248,6 +287,7 @@ class VLLMBackend:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         directory = tempfile.mkdtemp(prefix="crl-weights-", dir=base)
         try:
+            claim_weights_dir(Path(directory))
             seen, tensors = set(), {}
             for name, t in state_dict.items():
                 key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
