@@ -16,7 +16,8 @@ carries the preregistered gate (:data:`GATE`). The arms of one seed share its wa
 Logs: ``DIR/logs/ARM_seedS.{train,audit,eval}.log``; wall times: ``DIR/logs/ARM_seedS.json``.
 
 Resumable: rerun the same command (sweep.py's rules: the trainer says "already complete" for a finished run, a
-killed one continues from its newest checkpoint, an ``audit.json`` newer than the run's ``metrics.jsonl`` is reused).
+killed one continues from its newest checkpoint, a current ``audit.json`` and final evaluation are reused, and a run
+finished earlier is not relaunched: it needs only its config, metrics, audit and evaluation JSON).
 
 Writes, atomically, ``DIR/report.json``::
 

@@ -31,7 +31,11 @@ run start and finish, a progress bar over runs (on a terminal), then a table of 
 
 Resumable: rerun the same command. A finished run is recognised by the trainer itself (``scripts/train.py`` on a
 complete run directory prints "already complete" and exits 0); a killed one continues from its newest checkpoint;
-an ``audit.json`` (or final evaluation) newer than the run's ``metrics.jsonl`` is reused. ``--report-only`` trains
+an ``audit.json`` that hashed the run's current ``metrics.jsonl`` (its ``files`` manifest) is reused, and so is a
+final evaluation of the run's last iteration. A run whose metrics reach ``train.iterations`` with both reused is not
+relaunched at all: such a run directory needs only ``config.yaml``, ``metrics.jsonl``, ``audit.json`` and the
+evaluation's JSON, so a study longer than one machine's session can carry its finished runs to the next in a few
+hundred kB of text (by content, not mtimes, which neither a copy nor a git checkout keeps; docs/lm_study.md). ``--report-only`` trains
 nothing: it reports the runs that finished (auditing them if needed) and marks the others ``"audit": "NOT RUN"``
 with no curve. Exit status 0 only when every run trained and its audit passed.
 
@@ -86,7 +90,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from crl.config import ConfigValidationError, chance_success, load_config  # noqa: E402  (pure: no torch)
-from crl.io import atomic_write, atomic_write_json  # noqa: E402
+from crl.io import atomic_write, atomic_write_json, sha256_file  # noqa: E402
 from crl.tracking import read_records  # noqa: E402
 
 #: ``--kernels`` names -> the ``ATEN_CPU_CAPABILITY`` a run gets (None: the variable removed, torch's own choice).
@@ -176,6 +180,17 @@ def aggregate(rows: list[dict], threshold: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
+def audit_current(run_dir: Path) -> bool:
+    """``run_dir/audit.json`` audited the run's current ``metrics.jsonl``: the SHA-256 in its ``files`` manifest is the
+    file's (a killed-and-resumed run appends to its metrics, so an older audit is stale)."""
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        files = json.loads((run_dir / "audit.json").read_text()).get("files") or []
+    except (OSError, ValueError):
+        return False
+    return metrics.is_file() and any(f.get("path") == "metrics.jsonl" and f.get("sha256") == sha256_file(metrics) for f in files)
+
+
 def parse_seeds(specs) -> list[int]:
     """``["0-4", "7"]`` / ``["0,3,5"]`` -> ``[0, 1, 2, 3, 4, 7]`` / ``[0, 3, 5]``."""
     seeds = []
@@ -294,6 +309,12 @@ class Sweep:
         logs.parent.mkdir(parents=True, exist_ok=True)
         timing_file = logs.with_suffix(".json")
         timing = self.read_timing(timing_file)
+        if self.finished_earlier(job):
+            n, verdict, final = self.finished(), self.audit(job)[0], self.final_eval(job)
+            ev = f", final eval {final['success']:.3f}" if final else ""
+            self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs)}): finished earlier (its metrics, audit and final "
+                     f"evaluation agree), audit {verdict} (reused){ev}")
+            return {"audit": verdict, "final_eval": final, **timing}
         self.say(f"start  {self.label(*job)} -> {run_dir}")
         t0 = time.perf_counter()
         train = [str(ROOT / "scripts" / "train.py"), "--config", str(self.arms[arm]), *self.run_overrides(job)]
@@ -343,10 +364,25 @@ class Sweep:
         """``DIR/logs/NAME.json``: the wall times recorded when the run trained ({} before it has)."""
         return json.loads(path.read_text()) if path.is_file() else {}
 
+    def finished_earlier(self, job) -> bool:
+        """The run reached ``train.iterations``, its audit is current and so is its final evaluation (when one is asked
+        for): nothing to train, audit or evaluate, even without its checkpoints."""
+        run_dir = self.run_dir(job)
+        return (self.read_run(run_dir)["final_iteration"] == self.cfgs[job[0]].train.iterations and audit_current(run_dir)
+                and (not self.final_episodes or self.eval_current(job)))
+
+    def eval_current(self, job) -> bool:
+        """The final evaluation's JSON exists and evaluated the run's last iteration."""
+        out = self.run_dir(job) / f"eval_{self.final_split}_{self.final_episodes}.json"
+        try:
+            return json.loads(out.read_text())["iteration"] == self.read_run(self.run_dir(job))["final_iteration"]
+        except (OSError, ValueError, KeyError):
+            return False
+
     def audit(self, job) -> tuple[str, float, bool]:
         run_dir, logs = self.run_dir(job), self.log_base(job)
-        audit_json, metrics = run_dir / "audit.json", run_dir / "metrics.jsonl"
-        if audit_json.is_file() and metrics.is_file() and audit_json.stat().st_mtime >= metrics.stat().st_mtime:
+        audit_json = run_dir / "audit.json"
+        if audit_current(run_dir):
             return json.loads(audit_json.read_text()).get("verdict", "FAIL"), 0.0, True
         t0 = time.perf_counter()
         with open(logs.with_suffix(".audit.log"), "w") as log:
@@ -357,13 +393,13 @@ class Sweep:
 
     def final_eval(self, job) -> dict | None:
         """The final checkpoint on ``final_episodes`` episodes of ``final_split`` (scripts/evaluate.py: the split's
-        tasks in order, each played several times), or None when disabled or it failed. Reused when newer than
-        ``metrics.jsonl``."""
+        tasks in order, each played several times), or None when disabled or it failed. Reused when it evaluated the
+        run's last iteration (:meth:`eval_current`)."""
         n, split, run_dir, logs = self.final_episodes, self.final_split, self.run_dir(job), self.log_base(job)
         if not n:
             return None
-        out, metrics = run_dir / f"eval_{split}_{n}.json", run_dir / "metrics.jsonl"
-        if not (out.is_file() and metrics.is_file() and out.stat().st_mtime >= metrics.stat().st_mtime):
+        out = run_dir / f"eval_{split}_{n}.json"
+        if not self.eval_current(job):
             with open(logs.with_suffix(".eval.log"), "w") as log:
                 subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--split", split, "--episodes", str(n),
                                 "--out", str(out)], cwd=ROOT, env=self.run_env(job[2]), stdout=log, stderr=subprocess.STDOUT)
@@ -531,7 +567,7 @@ class Sweep:
     # -------------------------------------------------------------------------------- the whole sweep
     def main(self) -> int:
         t0 = time.perf_counter()
-        cfgs = self.check_configs()
+        cfgs = self.cfgs = self.check_configs()
         self.out.mkdir(parents=True, exist_ok=True)
         self.say(f"{len(self.jobs)} runs ({', '.join(self.arms)} x seeds {' '.join(map(str, self.seeds))}"
                  f"{'' if self.kernels == ['default'] else ' x kernels ' + ' '.join(self.kernels)}), "

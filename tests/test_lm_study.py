@@ -193,7 +193,7 @@ def test_study_arm_configs():
 def test_lm_study_quick_report_and_resume(tmp_path):
     """``scripts/lm_study.py --quick`` (a use of scripts/sweep.py) trains joint and frozen at seed 7 as two parallel
     scripts/train.py runs, audits both (PASS), writes report.json (the issue's structure, plus the sweep's rows and
-    statistics) and curves.png; a rerun skips both runs (the trainer says "already complete") and reuses their audits."""
+    statistics) and curves.png; a rerun relaunches neither run (both finished earlier) and reuses their audits."""
     out = tmp_path / "study"
     cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "frozen", "--seeds", "7", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
@@ -242,7 +242,7 @@ def test_lm_study_quick_report_and_resume(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     rerun_s = time.perf_counter() - t0
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert again.stdout.count("already complete") == 2 and again.stdout.count("(reused)") == 2
+    assert again.stdout.count("finished earlier") == 2 and again.stdout.count("(reused)") == 2 and "start " not in again.stdout
     assert rerun_s < first_s
     report2 = json.loads((out / "report.json").read_text())
     for arm in ("joint", "frozen"):  # the same results, the first invocation's training time kept

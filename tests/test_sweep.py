@@ -1,6 +1,6 @@
 """scripts/sweep.py (issue 26): the statistics against independent computations, and ``--quick`` end to end (4 runs:
 2 seeds x kernels default / avx2, each audited; the kernel really reached the training process; the report's
-aggregates recomputed from its rows; resume retrains nothing; ``--report-only``)."""
+aggregates recomputed from its rows; resume retrains nothing, also from a run carried as four files; ``--report-only``)."""
 import importlib.util
 import json
 import math
@@ -218,13 +218,34 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     t0 = time.perf_counter()
     again = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert again.stdout.count("already complete") == 4 and again.stdout.count("(reused)") == 4 and "trained in" not in again.stdout
+    assert again.stdout.count("finished earlier") == 4 and again.stdout.count("(reused)") == 4, again.stdout[-2000:]
+    assert "trained in" not in again.stdout and "start " not in again.stdout
     assert time.perf_counter() - t0 < first_s
     rows2 = {r["name"]: r for r in json.loads((out / "report.json").read_text())["runs"]}
     for r in runs:
         b = rows2[r["name"]]
         assert (b["curve"], b["train_wall_s"], b["final_eval"], b["audit"], b["cpu_capability"]) == (
             r["curve"], r["train_wall_s"], r["final_eval"], r["audit"], r["cpu_capability"])
+
+    # carried to another directory as four files (no checkpoint, no evidence; mtimes reversed, as a checkout may leave
+    # them): still finished, nothing relaunched, the same row
+    carried = tmp_path / "carried"
+    name = "default_seed0_default"
+    (carried / "runs" / name).mkdir(parents=True)
+    files = ["config.yaml", "audit.json", "eval_dev_8.json", "metrics.jsonl"]
+    for i, f in enumerate(files):
+        (carried / "runs" / name / f).write_bytes((out / "runs" / name / f).read_bytes())
+        os.utime(carried / "runs" / name / f, (1e9 + i, 1e9 + i))  # metrics.jsonl newest
+    moved = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes", "8",
+                            "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert moved.returncode == 0 and "finished earlier" in moved.stdout and "start " not in moved.stdout, moved.stdout[-2000:] + moved.stderr[-2000:]
+    row = json.loads((carried / "report.json").read_text())["runs"][0]
+    assert (row["curve"], row["final_eval"], row["audit"]) == (rows2[name]["curve"], rows2[name]["final_eval"], "PASS")
+    # a metrics.jsonl the audit did not hash (a resumed run appended to it) makes the audit stale
+    assert sweep.audit_current(carried / "runs" / name)
+    with open(carried / "runs" / name / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3}\n')
+    assert not sweep.audit_current(carried / "runs" / name)
 
     # --report-only: trains nothing; seed 2 was never run
     only = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--report-only", "--seeds", "0", "2", "--kernels", "default",
