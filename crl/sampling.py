@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingSpec", "ignored_generation_keys", "warn_ignored_generation_keys"]
+__all__ = ["SamplingSpec", "ignored_generation_keys", "seeded_torch_rng", "warn_ignored_generation_keys"]
 
 # transformers' GenerationConfig keys that shape the distribution, with the value that makes each a no-op. Every
 # one is given explicitly: transformers >= 5 fills a key left None from the model's generation_config.
@@ -152,3 +152,19 @@ def warn_ignored_generation_keys(model, spec: SamplingSpec, source: str = "the p
             f"from temperature={spec.temperature}, top_p={spec.top_p} (model.temperature, model.top_p; no top-k, no penalties)",
             stacklevel=2)
     return ignored
+
+
+@contextlib.contextmanager
+def seeded_torch_rng(seed: int, device: torch.device | str | None = None):
+    """Run the block on torch's global RNG seeded ``seed`` and give the caller's RNG state back afterwards: the CPU
+    generator, and ``device``'s own when it is a CUDA device (where sampling on it draws). Only those are seeded:
+    ``torch.manual_seed`` inside ``fork_rng(devices=[])`` would also re-seed every CUDA generator, for good, since
+    fork_rng restores only the devices it was given."""
+    device = torch.device(device) if device is not None else None
+    cuda = device is not None and device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    with torch.random.fork_rng(devices=[index] if cuda else []):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield

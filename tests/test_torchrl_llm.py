@@ -396,6 +396,34 @@ def test_chat_collector_counts_a_raising_environment_as_failed_and_goes_on(tok, 
     assert torch.equal(again["tokens"], batch["tokens"])
 
 
+def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
+    """Issue 27 defect 7: ``fork_rng(devices=[])`` + ``torch.manual_seed`` re-seeded every CUDA generator for good (fork_rng
+    restores only the devices it is given). A ChatCollector batch (and a preset model's build) now seeds only the CPU
+    generator and the model's own device: CUDA is never seeded here, and the caller's CPU RNG state is as before."""
+    from _chat_suite import EchoSuite
+
+    from crl.modules.generation import make_backend
+    from crl.modules.models import build_causal_lm
+    from crl.sampling import seeded_torch_rng
+    from crl.torchrl_llm.collector import ChatCollector
+
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: seeded.append(seed))
+    torch.manual_seed(123)
+    seeded.clear()
+    before = torch.get_rng_state()
+    cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP, max_compactions=1, keep_recent=1, max_steps=3)
+    col = ChatCollector(EchoSuite(tok, seed=0), "train", make_backend("transformers", model=lm, seed=3), tok, cfg, episodes_per_batch=2,
+                        max_new_tokens=MAX_NEW, tasks_in_order=True)
+    col.collect()
+    build_causal_lm("llama-mini", len(tok), 256, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=5)
+    assert seeded == [] and torch.equal(torch.get_rng_state(), before)
+    with seeded_torch_rng(7):  # inside: the stream of a generator seeded 7
+        inside = torch.rand(3)
+    assert torch.equal(inside, torch.rand(3, generator=torch.Generator().manual_seed(7))) and torch.equal(torch.get_rng_state(), before)
+
+
 def test_import_refuses_an_untested_torchrl_with_the_install_command(monkeypatch):
     import importlib.metadata
 

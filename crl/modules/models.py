@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from crl.sampling import SamplingSpec
+from crl.sampling import SamplingSpec, seeded_torch_rng
 from crl.modules.presets import PRESETS  # re-exported: crl.modules.models.PRESETS
 
 
@@ -44,8 +44,7 @@ def build_causal_lm(model: str, vocab_size: int, max_positions: int, *, pad_toke
             **spec,
         )
         config._attn_implementation = attn_implementation
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded_torch_rng(seed):  # built on the CPU
             return AutoModelForCausalLM.from_config(config)
     path = Path(model)
     if not path.is_dir():

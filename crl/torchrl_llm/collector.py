@@ -17,7 +17,7 @@ The suite (what ``env.factory`` returns, called with ``tokenizer=``, ``seed=`` a
                                                        # (crl.envs.base.TextEnv.summary_holds; a diagnostic)
 
 Sampling is reproducible: each episode samples under ``torch`` seeded from the collector's stream and the episode
-number, inside ``torch.random.fork_rng`` (the trainer's global RNG is untouched). An environment that raises ends
+number, inside :func:`crl.sampling.seeded_torch_rng` (the trainer's global RNG is untouched, CUDA's included). An environment that raises ends
 its episode as FAILED (counted, logged, no rows); the batch goes on.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from crl.compaction import CompactionConfig
 from crl.episode import EpisodeStatus, SegmentKind, concat_episodes, validate_episodes
 from crl.modules.generation import stream_seed
 from crl.modules.models import actor_module
-from crl.sampling import SamplingSpec, warn_ignored_generation_keys
+from crl.sampling import SamplingSpec, seeded_torch_rng, warn_ignored_generation_keys
 from crl.torchrl_llm.convert import to_episodes
 from crl.torchrl_llm.transform import CompactionTransform
 
@@ -126,8 +126,8 @@ class ChatCollector(EpisodeStream):
         env = self.suite.make_env(task, self.compaction_factory(rollout_id))
         try:
             cap = (self.config.max_steps or 10_000) * 2 + 2 * self.config.max_compactions + 2  # rollout's own step cap: never reached
-            with torch.random.fork_rng(devices=[]), set_list_to_stack(True), self.sampling.applied_to(self.lm):
-                torch.manual_seed(stream_seed(self.sampler_seed, "chat", self.rank, n))
+            with (seeded_torch_rng(stream_seed(self.sampler_seed, "chat", self.rank, n), next(self.lm.parameters()).device),
+                  set_list_to_stack(True), self.sampling.applied_to(self.lm)):
                 reset = env.reset(TensorDict(query=[self.suite.query(task)], batch_size=(1,)))
                 with torch.no_grad():
                     rows = env.rollout(cap, self.policy, tensordict=reset, auto_reset=False, break_when_any_done=True)
