@@ -84,3 +84,18 @@ class LongTaskSuite(EchoSuite):
 
 def make_long_suite(tokenizer, seed: int = 0, tools=None, **kwargs):
     return LongTaskSuite(tokenizer, seed=seed, **kwargs)
+
+
+#: switched on by a test: every episode of a train task then fails (a tool server that went down mid-run)
+TRAIN_ENVS_DOWN = {"on": False}
+
+
+class FlakySuite(EchoSuite):
+    def make_env(self, task, compaction):
+        if TRAIN_ENVS_DOWN["on"] and task in self._tasks["train"]:
+            raise RuntimeError("tool server down")
+        return super().make_env(task, compaction)
+
+
+def make_flaky_suite(tokenizer, seed: int = 0, tools=None, **kwargs):
+    return FlakySuite(tokenizer, seed=seed, **kwargs)

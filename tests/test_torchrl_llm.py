@@ -386,8 +386,11 @@ def test_chat_collector_counts_a_raising_environment_as_failed_and_goes_on(tok, 
     statuses = [e.status for e in col.last_episodes]
     assert statuses.count(EpisodeStatus.FAILED) == 1 and len(statuses) == 4
     failed = next(e for e in col.last_episodes if e.status == EpisodeStatus.FAILED)
-    assert failed.rollout_id not in batch["rollout_id"].tolist() and "tool server down" in failed.error
-    assert sorted(set(batch["rollout_id"].tolist())) == sorted(e.rollout_id for e in col.last_episodes if e.status != EpisodeStatus.FAILED)
+    assert "tool server down" in failed.error
+    assert sorted(set(batch["rollout_id"].tolist())) == sorted(e.rollout_id for e in col.last_episodes)
+    row = batch[batch["rollout_id"] == failed.rollout_id]  # one row, as crl's collector records a failed episode
+    assert row.batch_size[0] == 1 and int(row["status"][0]) == EpisodeStatus.FAILED and float(row["reward"][0]) == 0.0
+    assert not row["loss_mask"].any() and set(row["provenance"][row["attention_mask"]].tolist()) == {int(Provenance.TASK)}
     # reproducible: the same seed and episode numbers sample the same tokens
     col2 = ChatCollector(suite, "train", make_backend("transformers", model=lm, seed=3), tok, cfg, episodes_per_batch=4,
                          max_new_tokens=MAX_NEW, tasks_in_order=True)
@@ -422,6 +425,32 @@ def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
     with seeded_torch_rng(7):  # inside: the stream of a generator seeded 7
         inside = torch.rand(3)
     assert torch.equal(inside, torch.rand(3, generator=torch.Generator().manual_seed(7))) and torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_rank_whose_chat_episodes_all_failed_yields_failed_rows_and_an_empty_training_batch(tmp_path):
+    """Issue 27 defect 6: ChatCollector raised when every episode of its batch failed, so that rank died while the
+    others waited in the next collective until the process-group timeout. Now each failed episode is a FAILED row
+    (as crl's own collector records it); the learner drops them and the rank's batch is empty, with no exception:
+    the iteration's update is skipped on every rank, or made by the others (the trainer's all-reduce)."""
+    import importlib
+
+    from crl.config import load_config
+    from crl.trainer import Trainer
+
+    _chat_suite = importlib.import_module("tests._chat_suite")  # the module env.factory loads (not tests/ on sys.path's)
+
+    cfg = load_config(str(ROOT / "configs/default.yaml"), chat_config(tmp_path, ["env.factory=tests._chat_suite:make_flaky_suite"]))
+    trainer = Trainer(cfg)
+    try:
+        _chat_suite.TRAIN_ENVS_DOWN["on"] = True
+        with pytest.warns(UserWarning, match="tool server down"):
+            rollout = trainer.collect()
+        assert rollout.batch_size[0] == 2 and (rollout["status"] == int(EpisodeStatus.FAILED)).all()
+        assert trainer.last_episode_stats["failed"] == 2
+        assert trainer.compute_advantages(rollout).batch_size[0] == 0
+    finally:
+        _chat_suite.TRAIN_ENVS_DOWN["on"] = False
+        trainer.close()
 
 
 def test_import_refuses_an_untested_torchrl_with_the_install_command(monkeypatch):

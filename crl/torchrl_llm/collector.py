@@ -18,7 +18,7 @@ The suite (what ``env.factory`` returns, called with ``tokenizer=``, ``seed=`` a
 
 Sampling is reproducible: each episode samples under ``torch`` seeded from the collector's stream and the episode
 number, inside :func:`crl.sampling.seeded_torch_rng` (the trainer's global RNG is untouched, CUDA's included). An environment that raises ends
-its episode as FAILED (counted, logged, no rows); the batch goes on.
+its episode as FAILED (counted, logged, one row of its task text, never trained by default); the batch goes on.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from crl.collectors.compaction_collector import EpisodeStream, EpisodeSummary
 from crl.compaction import CompactionConfig
-from crl.episode import EpisodeStatus, SegmentKind, concat_episodes, validate_episodes
+from crl.episode import EpisodeStatus, Provenance, Segment, SegmentKind, build_episode, concat_episodes, validate_episodes
 from crl.modules.generation import stream_seed
 from crl.modules.models import actor_module
 from crl.sampling import SamplingSpec, seeded_torch_rng, warn_ignored_generation_keys
@@ -135,6 +135,23 @@ class ChatCollector(EpisodeStream):
             env.close(raise_if_closed=False)
         return rows.reshape(-1)
 
+    def _failed_rows(self, task, rollout_id: int, group_id: int) -> TensorDict:
+        """A failed episode as crl's own collector records one: a single EXECUTION segment of its task text (nothing
+        sampled, nothing optimized), status FAILED, reward 0. It is in the rollout evidence the audit reads, and a rank
+        whose episodes all failed still yields rows: the learner drops them (``train.failed_episodes=drop``) and the
+        rank takes part in every collective, so the iteration's update is skipped on every rank, or made by the
+        others, instead of this rank dying while the others wait."""
+        try:
+            ids = list(self.tokenizer(str(self.suite.query(task)), add_special_tokens=False)["input_ids"])
+        except Exception:  # the task itself is what failed: the row needs a token, not the text
+            ids = []
+        segment = Segment(SegmentKind.EXECUTION)
+        segment.extend(ids or [self.tokenizer.eos_token_id], Provenance.TASK)
+        td = build_episode([segment], rollout_id, 0.0, EpisodeStatus.FAILED)
+        td["policy_version"] = torch.full((1,), int(getattr(self.backend, "policy_version", 0)), dtype=torch.int64)
+        td["group_id"] = torch.full((1,), group_id, dtype=torch.int64)
+        return td
+
     def _judge_summaries(self, task, td: TensorDict) -> dict:
         """The suite's verdicts (``suite.summary_holds(task, text)``, optional) on the episode ``td``'s summaries, in
         segment order, each decoded as the compaction transform copies it (the sampled tokens without the stop
@@ -178,7 +195,8 @@ class ChatCollector(EpisodeStream):
                     verdicts = self._judge_summaries(task, td)
                 except Exception as err:  # the user's environment (or its tools) failed: this episode only
                     warnings.warn(f"torchrl_chat episode {rid} ({task_id}) failed: {type(err).__name__}: {err}", stacklevel=2)
-                    self.last_episodes.append(EpisodeSummary(rid, task_id, EpisodeStatus.FAILED, 0.0, 0, 0, 0, f"{type(err).__name__}: {err}"))
+                    self.last_episodes.append(EpisodeSummary(rid, task_id, EpisodeStatus.FAILED, 0.0, 0, 0, 1, f"{type(err).__name__}: {err}"))
+                    episodes.append(self._failed_rows(task, rid, group_id))
                     bar.update(1)
                     continue
                 td["policy_version"] = torch.full((td.batch_size[0],), int(getattr(self.backend, "policy_version", 0)), dtype=torch.int64)
@@ -197,8 +215,6 @@ class ChatCollector(EpisodeStream):
         finally:
             bar.close()
             self.lm.train(was_training)
-        if not episodes:
-            raise RuntimeError(f"every torchrl_chat episode of this batch failed ({self.last_episodes[0].error}); see the warnings above")
         batch = concat_episodes(episodes)
         validate_episodes(batch, vocab_size=len(self.tokenizer))
         elapsed = time.perf_counter() - t0
