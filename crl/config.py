@@ -168,7 +168,7 @@ class TrainConfig:
     # a hung or unreachable machine ends the run on the others after this, with the checkpoint to resume from
     # (scripts/train.py, docs/cluster.md). The warm start's wait has a group of its own (it may take longer).
     dist_timeout_s: float = 1800.0
-    precision: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU | fp32 | bf16 (needs CUDA)
+    precision: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU | fp32 | bf16 (autocast; also on a CPU, slow without bf16 units)
     # episodes that FAILED (an environment exception or step timeout: the infrastructure, not the policy): drop them
     # from the learner (counted as episode/failed, kept in the evidence) | train them with reward 0
     failed_episodes: str = "drop"

@@ -85,8 +85,6 @@ def make_accelerator(cfg: Config):
         if not ds_file:
             raise ConfigValidationError("--use_deepspeed needs --deepspeed_config_file (e.g. configs/deepspeed/zero2.json)")
     cuda = torch.cuda.is_available()
-    if cfg.train.precision == "bf16" and not cuda:
-        raise ConfigValidationError("train.precision=bf16 needs a CUDA device; use auto or fp32 on CPU")
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
     # the process group's timeout (gloo and NCCL, DeepSpeed's init_distributed too): a lost machine ends the run
     timeout = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))]
@@ -527,9 +525,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop's phases
     def collect(self) -> TensorDict:
-        """Play one batch of training episodes with the current weights; ``self.last_episode_stats`` = counts over all ranks."""
+        """Play one batch of training episodes with the current weights; ``self.last_episode_stats`` = counts over all ranks.
+
+        Sampling runs under the learner's autocast (``train.precision``): with bf16 mixed precision the sampler's
+        forwards are the learner's bf16 forwards, so the first update's ratio is 1 (issue 27 defect 2)."""
         self.actor_model.eval()
-        rollout = self.collector.collect().to(self.device)
+        with self.accelerator.autocast():
+            rollout = self.collector.collect().to(self.device)
         self._finish_generation()
         self.actor_model.train()
         self.last_episode_stats = reduce_stats(episode_stats(self.collector.last_episodes), self.device)
@@ -736,9 +738,10 @@ class Trainer:
         policy_seed, frozen_seed = evaluation_seeds(self.cfg.train.seed, self.rank)
         frozen = self.frozen_backend.fork(frozen_seed) if self.frozen_backend is not None else None
         self.actor_model.eval()
-        counts = evaluate_policy(self.cfg, self.stages[-1] if stage is None else stage, split, self.backend.fork(policy_seed), self.codec,
-                                 self.prompt_format, frozen_backend=frozen, rank=self.rank, world=self.world,
-                                 progress=self.is_main and self.cfg.logging.progress)
+        with self.accelerator.autocast():  # the precision the policy samples with in training
+            counts = evaluate_policy(self.cfg, self.stages[-1] if stage is None else stage, split, self.backend.fork(policy_seed), self.codec,
+                                     self.prompt_format, frozen_backend=frozen, rank=self.rank, world=self.world,
+                                     progress=self.is_main and self.cfg.logging.progress)
         self._finish_generation()
         stats = reduce_stats(counts, self.device)
         self.last_eval_stats = stats
@@ -827,8 +830,7 @@ class Trainer:
         ``vllm.sleep_between_phases``: the engine frees its GPU memory until the next generation."""
         if isinstance(self.gen_lm, LockstepEngineLM):
             self.gen_lm.drain()
-        if hasattr(self.backend, "sleep"):
-            self.backend.sleep()
+        self.backend.sleep()
         self._release_gathered()
 
     def _release_gathered(self) -> None:
@@ -1055,7 +1057,7 @@ class Trainer:
                     self.rotate_checkpoints()
         except BaseException:
             try:  # an in-process caller must be able to retry: no engine processes left running, the run directory free
-                if hasattr(getattr(self, "backend", None), "close"):  # a vLLM engine's processes (a killed process takes them along)
+                if getattr(self, "backend", None) is not None:  # a vLLM engine's processes (a killed process takes them along)
                     self.backend.close()
             finally:
                 self._release_lock()
@@ -1098,6 +1100,6 @@ class Trainer:
                 self.logger.close()
             self.accelerator.end_training()
         finally:
-            if hasattr(getattr(self, "backend", None), "close"):  # a vLLM engine's processes
+            if getattr(self, "backend", None) is not None:  # a vLLM engine's processes
                 self.backend.close()
             self._release_lock()

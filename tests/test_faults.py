@@ -926,16 +926,6 @@ def test_config_diff_treats_keys_added_to_the_schema_as_their_default():
     assert config_diff(stored, changed, defaults=defaults) == ["env.early_submit: 'accept' -> 'fail'"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_bf16_without_cuda_is_refused_before_writing(tmp_path):
-    from crl.trainer import Trainer
-
-    cfg = trainer_cfg(tmp_path / "never", "train.precision=bf16")
-    with pytest.raises(ConfigValidationError, match="train.precision"):
-        Trainer(cfg)
-    assert not (tmp_path / "never").exists()
-
-
 class _FailingTrainEnvs:
     """Patches crl.builders.build_suite: a train-split env raises at its second step when ``fails(n)`` is true for the
     n-th train episode made (dev/test episodes never fail). The tool crashing is the infrastructure's fault."""

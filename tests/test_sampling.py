@@ -138,3 +138,32 @@ def test_ignored_generation_keys_name_what_shapes_sampling_only():
     assert ignored_generation_keys(GenerationConfig(max_new_tokens=99, eos_token_id=7, do_sample=True)) == {}  # not sampling keys
     g = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
     assert ignored_generation_keys(g) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, precision):
+    """Issue 27 defect 2: with bf16 mixed precision (``train.precision=bf16``; auto on a CUDA GPU) accelerate autocast
+    only the learner's forward while the sampler ran the same model in fp32, so the first PPO ratio was not 1 (here:
+    approx_kl 8e-6 on the default task, the same run with sampling under autocast 1e-8). The trainer samples under
+    the learner's autocast; the first update's approx_kl (one minibatch: every row at the weights that sampled it) is
+    float noise and nothing is clipped, in fp32 and in bf16 (CPU autocast here, where bf16 runs without a GPU)."""
+    from accelerate.state import AcceleratorState
+
+    from crl.config import load_config
+    from crl.trainer import Trainer
+
+    AcceleratorState._reset_state()  # a process-wide singleton: an earlier test's accelerator fixed its precision
+    cfg = load_config("configs/default.yaml", [f"run_dir={tmp_path / 'run'}", f"train.precision={precision}", "train.iterations=1",
+                                               "train.episodes_per_batch=8", "warm_start.steps=30", "warm_start.stop_answer_p=null",
+                                               "logging.wandb_mode=disabled", "logging.progress=false", "train.policy_minibatches=1",
+                                               "train.critic_warmup_iterations=0"])
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.accelerator.mixed_precision == ("bf16" if precision == "bf16" else "no")
+        batch = trainer.compute_advantages(trainer.collect())
+        trainer.update_policy(batch, 0)
+        metrics = trainer.step_log["metrics"]
+        assert metrics["policy/approx_kl"][0] < 1e-7 and metrics["policy/clip_fraction"][0] == 0, metrics["policy/approx_kl"]
+    finally:
+        trainer.close()
+        AcceleratorState._reset_state()

@@ -133,6 +133,28 @@ def test_transformers_backend_forks_share_the_model():
     assert f.model is lm and f.policy_version == 4 and f.generator.initial_seed() == 2
 
 
+def test_both_backends_are_samplers_of_one_protocol(engine):
+    """Issue 27 item 2: the trainer calls generate / fork / sleep / wake_up / close / load_state_dict / generator /
+    policy_version on either backend without probing for them (no hasattr): both implement the whole protocol, and
+    a fork shares no mutable state (its own stream, its own prefix cache)."""
+    from crl.modules.generation import GenerationBackend
+
+    lm = torch.nn.Linear(1, 1)
+    for backend in (TransformersBackend(lm, seed=1), engine):
+        assert isinstance(backend, GenerationBackend), type(backend).__name__
+        fork = backend.fork(99)
+        assert isinstance(fork, GenerationBackend) and not torch.equal(fork.generator.get_state(), backend.generator.get_state())
+        if backend is engine:
+            state = backend.generator.get_state()
+            fork.generate([[5, 6, 7]], [3], PARAMS)
+            assert torch.equal(backend.generator.get_state(), state)  # the fork drew; the original's stream did not move
+    assert not isinstance(object(), GenerationBackend)  # the check can fail
+    t = TransformersBackend(lm, seed=1)
+    t._prefix["k"] = "cached"
+    t.sleep()  # between phases: the cached keys/values are freed
+    assert t._prefix == {} and t.wake_up() is None and t.close() is None
+
+
 def test_a_fork_that_wakes_the_engine_lets_the_trainer_put_it_to_sleep_again():
     """Issue 27 defect 7: fork() copied the asleep flag, so after an evaluation fork woke the engine the trainer's
     handle still believed it asleep and its next sleep() was a no-op (the engine kept its memory through every

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -34,14 +34,27 @@ class Generation:
     stopped: bool  # ended on a stop token (kept in token_ids) rather than on the token budget
 
 
+class SamplerState(Protocol):
+    """A sampler's stream position, checkpointed by the trainer (``get_state`` / ``set_state`` of a 1-D tensor)."""
+
+    def get_state(self) -> torch.Tensor: ...
+
+    def set_state(self, state: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
 class GenerationBackend(Protocol):
-    """What a collector needs from an inference engine.
+    """A sampler: what the collectors and the trainer need from an inference engine, and all they call. Implemented by
+    :class:`TransformersBackend` and :class:`crl.modules.vllm_backend.VLLMBackend`; the trainer calls every method
+    below on either without probing (``isinstance(backend, GenerationBackend)`` checks that they are all there).
 
     ``policy_version``: the version of the weights it samples with, set by whoever gives it weights (the trainer's
-    ``sync_policy_weights``); the collector stamps it on every rollout row.
+    ``sync_policy_weights``, after the weights arrived); the collector stamps it on every rollout row.
+    ``generator``: the stream's state (seed and position), saved in checkpoints and restored on resume.
     """
 
     policy_version: int
+    generator: SamplerState
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingParams, cache_keys=None) -> list[Generation]:
         """Sample one continuation per prompt, at most ``max_new_tokens[i]`` tokens for prompt ``i``.
@@ -55,6 +68,19 @@ class GenerationBackend(Protocol):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Take new policy weights (between collection batches)."""
+
+    def fork(self, seed: int) -> "GenerationBackend":
+        """The same weights with a stream of its own (seed ``seed``) and no shared mutable state: evaluation draws from
+        a fork, so evaluating never moves the training stream."""
+
+    def sleep(self) -> None:
+        """Free the engine's device memory between sampling phases (a no-op where nothing can be freed)."""
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (``generate`` calls it itself)."""
+
+    def close(self) -> None:
+        """Release the engine (its processes, its memory); the sampler is unusable afterwards."""
 
 
 def stream_seed(seed: int, *names) -> int:
@@ -108,6 +134,16 @@ class TransformersBackend:
 
     def clear_prefix_cache(self) -> None:
         self._prefix: dict = {}  # key -> (token ids, [(K, V) per layer], each [heads, length, head_dim])
+
+    # the sampler protocol's lifecycle: the model is the learner's own, so there is nothing to free or shut down
+    def sleep(self) -> None:
+        self.clear_prefix_cache()  # the cached keys/values are the only memory a sampling phase leaves behind
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.clear_prefix_cache()
 
     def _reusable(self, key, prompt) -> int:
         """Length of the cached prefix usable for ``prompt`` (0: none); at least one new token must remain."""
