@@ -20,7 +20,7 @@ from crl.envs.base import TextEnv, mentions_number
 from crl.envs.memory_chain import summary_has_fact
 from crl.envs.python_tasks import PythonTaskSuite, PythonToolSuite
 from crl.episode import EpisodeStatus, Provenance, SegmentKind
-from crl.modules.generation import Generation
+from crl.modules.generation import Generation, GenerationBackend
 from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
 from crl.tracking import PANELS
@@ -235,10 +235,21 @@ class ReadingPolicy:
     def load_state_dict(self, state_dict):
         pass
 
+    # the rest of the sampler protocol (crl.modules.generation.GenerationBackend), which the trainer calls
+    def sleep(self):
+        pass
+
+    def wake_up(self):
+        pass
+
+    def close(self):
+        pass
+
 
 def scripted_trainer(run_dir, *overrides) -> Trainer:
     trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TINY, *overrides]))
     policy = ReadingPolicy(trainer.collector.engine.summary_instruction_ids)
+    assert isinstance(policy, GenerationBackend)  # the whole sampler protocol: the trainer calls it without probing
     trainer.backend = policy
     if trainer.frozen_backend is not None:
         trainer.frozen_backend = policy
