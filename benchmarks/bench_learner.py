@@ -107,7 +107,8 @@ def collected_default_batch(config: str = "configs/default.yaml", episodes: int 
     from crl.builders import build_compaction_config, build_suite, build_tokenizer
     from crl.collectors import CompactionCollector
     from crl.config import load_config
-    from crl.modules.generation import SamplingParams, make_backend
+    from crl.modules.backends import make_backend
+    from crl.modules.generation import SamplingParams
 
     cfg = load_config(config, list(overrides))
     codec = build_tokenizer(cfg)

@@ -38,7 +38,7 @@ def worker(args) -> None:
     trainer.sync_policy_weights()
     stats = trainer.collector.last_stats
     out = {"backend": args.backend, "rank": trainer.rank, "build_s": round(built, 1), "collect_s": round(collect, 1),
-           "generated_tokens": stats["generated_action_tokens"] + stats["generated_summary_tokens"], "sync_s": round(trainer.sync_seconds, 2)}
+           "generated_tokens": stats["generated_action_tokens"] + stats["generated_summary_tokens"], "sync_s": round(trainer.sampler.sync_seconds, 2)}
     Path(args.run_dir, f"bench_rank{trainer.rank}.json").write_text(json.dumps(out))
     trainer.close()
 

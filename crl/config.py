@@ -125,12 +125,12 @@ class AlgoConfig:
     clip_value: Optional[float] = None
     entropy_coef: float = 0.0
     # constant | linear: the entropy bonus decays linearly to 0 over train.iterations: exploration early, none left
-    # to push a converged policy's entropy back up late (crl.trainer.Trainer.set_entropy_coef)
+    # to push a converged policy's entropy back up late (crl.training.update.PPOUpdate.set_entropy_coef)
     entropy_schedule: str = "constant"
     kl_coef: float = 0.0
     # null | > 0: stop an iteration's policy steps once the approximate KL to the sampling policy, measured by a step's
     # own forward on its minibatch, exceeds 1.5 x target_kl; that step is not applied (SB3's PPO target_kl;
-    # crl.trainer.Trainer.update_policy). Not with DeepSpeed, whose engine steps inside the accumulation loop.
+    # crl.training.update.PPOUpdate.update_policy). Not with DeepSpeed, whose engine steps inside the accumulation loop.
     target_kl: Optional[float] = None
     frozen_summary: bool = False  # summaries from a frozen copy of the initial policy, masked from the loss
 
@@ -158,7 +158,7 @@ class TrainConfig:
     actor_lr: float = 1e-3
     critic_lr: float = 1e-3
     # constant | linear: both learning rates decay linearly to 0 over train.iterations (CleanRL's anneal_lr): late
-    # updates, on a nearly converged policy, stay small (crl.trainer.Trainer.set_learning_rates)
+    # updates, on a nearly converged policy, stay small (crl.training.update.PPOUpdate.set_learning_rates)
     lr_schedule: str = "constant"
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0

@@ -3,7 +3,7 @@
 
 An evaluation plays the split's tasks in order (cycling when there are more episodes than tasks), spread over the
 data-parallel ranks as the trainer spreads them, on the final curriculum stage unless told otherwise. Each
-evaluation samples from a stream of its own, restarted every time (:func:`evaluation_seeds`): evaluating never
+evaluation samples from a stream of its own, restarted every time (:func:`crl.streams.evaluation_seeds`): evaluating never
 moves the training sampler, and the same weights always get the same number — so ``scripts/evaluate.py`` on a
 checkpoint reproduces the trainer's evaluation of those weights exactly (tests/test_evaluate.py).
 """
@@ -11,14 +11,8 @@ from __future__ import annotations
 
 from crl.builders import build_collector, eval_share
 from crl.collectors import episode_stats
-from crl.modules.generation import stream_seed
 
-__all__ = ["evaluation_seeds", "evaluate_policy"]
-
-
-def evaluation_seeds(seed: int, rank: int) -> tuple[int, int]:
-    """``(policy, frozen summariser)`` sampler seeds of rank ``rank``'s share of an evaluation of run seed ``seed``."""
-    return stream_seed(seed, "eval", rank), stream_seed(seed, "eval-frozen", rank)
+__all__ = ["evaluate_policy"]
 
 
 def evaluate_policy(cfg, stage, split: str, backend, codec, prompt_format, *, frozen_backend=None, rank: int = 0,
@@ -26,7 +20,7 @@ def evaluate_policy(cfg, stage, split: str, backend, codec, prompt_format, *, fr
     """Rank ``rank``'s share of an evaluation of ``cfg.eval.episodes`` episodes: the counts of
     :func:`crl.collectors.episode_stats` (sum them over the ranks; ``success / episodes`` is the success rate).
 
-    ``backend`` / ``frozen_backend`` sample with the seeds of :func:`evaluation_seeds` (the caller forks or builds
+    ``backend`` / ``frozen_backend`` sample with the seeds of :func:`crl.streams.evaluation_seeds` (the caller forks or builds
     them); ``stage``: a :class:`crl.config.CurriculumStage` or None (the env's own task).
     """
     if eval_share(cfg.eval.episodes, rank, world) == 0:  # more ranks than episodes: this rank plays none

@@ -67,7 +67,8 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
     import torch
 
     from crl.builders import build_suite, curriculum_stages
-    from crl.evaluation import evaluate_policy, evaluation_seeds
+    from crl.evaluation import evaluate_policy
+    from crl.streams import evaluation_seeds
     from crl.modules.generation import TransformersBackend
 
     t0 = time.perf_counter()

@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import crl.trainer as trainer_mod  # noqa: E402
+import crl.training.models as models_mod  # noqa: E402
+import crl.training.warm_start as warm_start_part  # noqa: E402
 import crl.warm_start as warm_start_mod  # noqa: E402
 from crl.config import load_config  # noqa: E402
 from crl.modules.zero3 import is_partitioned, local_numel  # noqa: E402
@@ -62,7 +64,7 @@ def digest(module) -> str:
     return h.hexdigest()
 
 
-_build = trainer_mod.build_causal_lm
+_build = models_mod.build_causal_lm
 
 
 def build_causal_lm(*args, **kwargs):
@@ -71,7 +73,7 @@ def build_causal_lm(*args, **kwargs):
     return lm
 
 
-_from_actor = trainer_mod.ValueModel.from_actor.__func__
+_from_actor = models_mod.ValueModel.from_actor.__func__
 
 
 def from_actor(cls, lm, *args, **kwargs):
@@ -81,7 +83,7 @@ def from_actor(cls, lm, *args, **kwargs):
     return critic
 
 
-_warm_start = trainer_mod.warm_start
+_warm_start = warm_start_part.warm_start
 
 
 def warm_start(*args, **kwargs):
@@ -97,9 +99,9 @@ def demonstration_batch(*args, **kwargs):
     return _demos(*args, **kwargs)
 
 
-trainer_mod.build_causal_lm = build_causal_lm
-trainer_mod.ValueModel.from_actor = classmethod(from_actor)
-trainer_mod.warm_start = warm_start
+models_mod.build_causal_lm = build_causal_lm
+models_mod.ValueModel.from_actor = classmethod(from_actor)
+warm_start_part.warm_start = warm_start
 warm_start_mod.demonstration_batch = demonstration_batch
 if os.environ.get("CRL_PROBE_RANK_ANSWER_P") == "1":
     warm_start_mod.answer_probability = lambda *a, **k: float(torch.distributed.get_rank() == 0)
@@ -138,9 +140,9 @@ def main():
     cfg = load_config(args[i + 1], args[:i] + args[i + 2:])
     t = trainer_mod.Trainer(cfg)
     records["policy_sha256"] = digest(t.lm)
-    records["frozen_sha256"] = digest(t.frozen_lm) if t.frozen_lm is not None else None
+    records["frozen_sha256"] = digest(t.models.frozen_lm) if t.models.frozen_lm is not None else None
     t.fit()
-    records["dummy_forwards"] = getattr(t.gen_lm, "dummy_forwards", None)
+    records["dummy_forwards"] = getattr(t.sampler.gen_lm, "dummy_forwards", None)
     (Path(cfg.run_dir) / f"probe_rank{t.rank}.json").write_text(json.dumps(records))
 
 

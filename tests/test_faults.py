@@ -889,12 +889,14 @@ def test_unwritable_run_dir_is_one_line(tmp_path):
 
 def test_disk_full_at_a_checkpoint_removes_the_temp_dir(tmp_path, monkeypatch):
     """Row: disk full at a checkpoint gave an iostream error and left an 11 MB .iter_N.tmp."""
-    import crl.trainer as trainer_mod
+    import crl.training.checkpoints
+    import crl.training.models
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(trainer_mod, "atomic_torch_save", full)
+    for part in (crl.training.checkpoints, crl.training.models):  # the optimizer states and the trainer state
+        monkeypatch.setattr(part, "atomic_torch_save", full)
     with pytest.raises(OSError) as err:
         fit(tmp_path / "run", "train.iterations=1")
     assert err.value.errno == errno.ENOSPC and "checkpoints/iter_000000" in str(err.value) and len(str(err.value).splitlines()) == 1
@@ -909,7 +911,7 @@ def test_top_p_first_policy_update_has_ratio_one(tmp_path):
     trainer = Trainer(trainer_cfg(tmp_path / "run", "train.iterations=1", "model.top_p=0.8", "train.policy_minibatches=1"))
     batch = trainer.compute_advantages(trainer.collect())
     trainer.update_policy(batch, iteration=0)
-    m = trainer.step_log["metrics"]
+    m = trainer.ppo.step_log["metrics"]
     assert max(abs(v) for v in m["policy/approx_kl"]) < 1e-6 and max(m["policy/clip_fraction"]) == 0.0
     trainer.close()
 

@@ -114,7 +114,7 @@ def test_trainer_without_a_critic(tmp_path):
         f"run_dir={run}", "algo.estimator=group", "train.group_size=4", "train.episodes_per_batch=8", "train.iterations=2",
         "train.critic_warmup_iterations=0", "warm_start.steps=150", "warm_start.stop_answer_p=null", "warm_start.batch_episodes=8", "eval.episodes=4", "eval.every=0",
         "checkpoint.evidence_every=1", "logging.wandb_mode=disabled", "logging.progress=false"]))
-    assert trainer.critic is None and trainer.critic_model is None and trainer.critic_loss is None
+    assert trainer.critic is None and trainer.models.critic_model is None and trainer.critic_loss is None
     trainer.fit()
     ev = run / "evidence" / "iter_000000" / "rank_0"
     td = load_episodes(ev / "rollout.pt")

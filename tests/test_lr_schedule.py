@@ -17,14 +17,14 @@ TINY = ["train.iterations=3", "train.episodes_per_batch=4", "warm_start.steps=2"
 def run(run_dir, *overrides):
     trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TINY, *overrides]))
     seen = []
-    step = trainer._optimizer_step
+    step = trainer.ppo.optimizer_step
 
     def recording(name, mbs, **kw):  # the rate each optimizer step really used
-        opt = trainer.actor_opt if name == "actor" else trainer.critic_opt
+        opt = trainer.models.actor_opt if name == "actor" else trainer.models.critic_opt
         seen.append((name, opt.param_groups[0]["lr"]))
         return step(name, mbs, **kw)
 
-    trainer._optimizer_step = recording
+    trainer.ppo.optimizer_step = recording
     trainer.fit()
     logged = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return seen, [r["train/actor_lr"] for r in logged if "train/actor_lr" in r]
@@ -59,14 +59,14 @@ def test_linear_entropy_schedule_decays_the_bonus_the_loss_uses(tmp_path):
     for schedule, expect in (("linear", [0.01 * (1 - it / 3) for it in range(3)]), ("constant", [0.01] * 3)):
         trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={tmp_path / schedule}", *TINY,
                                                                             "algo.entropy_coef=0.01", f"algo.entropy_schedule={schedule}"]))
-        used, step = [], trainer._optimizer_step
+        used, step = [], trainer.ppo.optimizer_step
 
         def recording(name, mbs, trainer=trainer, step=step, used=used, **kw):
             if name == "actor":
                 used.append(trainer.policy_loss.entropy_coeff)
             return step(name, mbs, **kw)
 
-        trainer._optimizer_step = recording
+        trainer.ppo.optimizer_step = recording
         trainer.fit()
         logged = [json.loads(line) for line in (tmp_path / schedule / "metrics.jsonl").read_text().splitlines()]
         assert [r["policy/entropy_coef"] for r in logged if "policy/entropy_coef" in r] == pytest.approx(expect)

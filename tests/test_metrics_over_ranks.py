@@ -1,5 +1,5 @@
 """``policy/*`` and ``critic/*`` metrics pool every rank's micro-batches (they were rank 0's alone: issue 27, defect 7):
-:func:`crl.trainer.mean_over_ranks` on 2 gloo ranks against means computed by hand."""
+:func:`crl.training.accelerator.mean_over_ranks` on 2 gloo ranks against means computed by hand."""
 from __future__ import annotations
 
 import math
@@ -23,7 +23,7 @@ PER_RANK = [  # rank 1 lists a key rank 0 does not, rank 0 a NaN and a key with 
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    from crl.trainer import mean_over_ranks
+    from crl.training.accelerator import mean_over_ranks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
@@ -43,6 +43,6 @@ def test_metrics_are_pooled_over_ranks():
 
 
 def test_one_process_is_the_plain_mean():
-    from crl.trainer import mean_over_ranks
+    from crl.training.accelerator import mean_over_ranks
 
     assert mean_over_ranks(PER_RANK[0]) == {"policy/approx_kl": 0.2, "critic/explained_variance": 0.5}

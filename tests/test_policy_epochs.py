@@ -17,14 +17,14 @@ def test_each_epoch_draws_its_own_minibatch_order(tmp_path):
         "train.policy_minibatches=4", "train.critic_warmup_iterations=0", "warm_start.steps=2", "warm_start.stop_answer_p=null",
         "eval.every=0", "eval.episodes=4", "logging.wandb_mode=disabled", "logging.progress=false"])
     trainer = Trainer(cfg)
-    seen, step = [], trainer._optimizer_step
+    seen, step = [], trainer.ppo.optimizer_step
 
     def recording(name, mbs, **kw):
         if name == "actor":
             seen.append(sorted({int(r) for mb in mbs for r in mb["rollout_id"].unique()}))
         return step(name, mbs, **kw)
 
-    trainer._optimizer_step = recording
+    trainer.ppo.optimizer_step = recording
     trainer.fit()
     assert len(seen) == 3 * 4 and all(len(chunk) == 2 for chunk in seen)
     epochs = [seen[i:i + 4] for i in range(0, 12, 4)]

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from crl.compaction import CompactionConfig
 from crl.modules.byte_tokenizer import byte_chat_tokenizer
-from crl.modules.generation import make_backend
+from crl.modules.backends import make_backend
 from crl.sampling import SamplingSpec, ignored_generation_keys
 
 from _chat_suite import EchoSuite
@@ -162,7 +162,7 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
         assert trainer.accelerator.mixed_precision == ("bf16" if precision == "bf16" else "no")
         batch = trainer.compute_advantages(trainer.collect())
         trainer.update_policy(batch, 0)
-        metrics = trainer.step_log["metrics"]
+        metrics = trainer.ppo.step_log["metrics"]
         assert metrics["policy/approx_kl"][0] < 1e-7 and metrics["policy/clip_fraction"][0] == 0, metrics["policy/approx_kl"]
     finally:
         trainer.close()

@@ -250,9 +250,9 @@ def scripted_trainer(run_dir, *overrides) -> Trainer:
     trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TINY, *overrides]))
     policy = ReadingPolicy(trainer.collector.engine.summary_instruction_ids)
     assert isinstance(policy, GenerationBackend)  # the whole sampler protocol: the trainer calls it without probing
-    trainer.backend = policy
-    if trainer.frozen_backend is not None:
-        trainer.frozen_backend = policy
+    trainer.sampler.backend = policy
+    if trainer.sampler.frozen_backend is not None:
+        trainer.sampler.frozen_backend = policy
     trainer.collector = trainer.make_collector("train", trainer.stages[trainer.stage])
     return trainer
 
@@ -324,7 +324,7 @@ def test_chat_collector_asks_the_suite_about_the_summaries_it_copied():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from crl.modules.byte_tokenizer import byte_chat_tokenizer
-    from crl.modules.generation import make_backend
+    from crl.modules.backends import make_backend
     from crl.torchrl_llm.collector import ChatCollector
 
     tok = byte_chat_tokenizer()

@@ -34,7 +34,7 @@ def hand_kl(trainer, mbs) -> float:
 
 def run(run_dir, target_kl):
     trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TINY, f"algo.target_kl={target_kl}"]))
-    calls, step = [], trainer._optimizer_step
+    calls, step = [], trainer.ppo.optimizer_step
 
     def recording(name, mbs, max_kl=None):
         if name != "actor":
@@ -46,7 +46,7 @@ def run(run_dir, target_kl):
         calls.append({"kl": kl, "max_kl": max_kl, "applied": applied, "moved": moved})
         return applied
 
-    trainer._optimizer_step = recording
+    trainer.ppo.optimizer_step = recording
     trainer.fit()
     logged = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return calls, [r for r in logged if "policy/steps" in r]

@@ -368,7 +368,7 @@ def test_byte_chat_tokenizer_round_trips_any_text_one_token_per_byte(tok):
 def test_chat_collector_counts_a_raising_environment_as_failed_and_goes_on(tok, lm):
     from _chat_suite import EchoSuite
 
-    from crl.modules.generation import make_backend
+    from crl.modules.backends import make_backend
     from crl.torchrl_llm.collector import ChatCollector
 
     class Flaky(EchoSuite):
@@ -405,7 +405,7 @@ def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
     generator and the model's own device: CUDA is never seeded here, and the caller's CPU RNG state is as before."""
     from _chat_suite import EchoSuite
 
-    from crl.modules.generation import make_backend
+    from crl.modules.backends import make_backend
     from crl.modules.models import build_causal_lm
     from crl.sampling import seeded_torch_rng
     from crl.torchrl_llm.collector import ChatCollector

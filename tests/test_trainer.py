@@ -102,15 +102,15 @@ def test_phases_are_callable_in_process(tmp_path):
     batch = trainer.compute_advantages(rollout)
     assert {"state_value", "advantage", "value_target"} <= set(batch.keys())
     assert torch.all(batch["state_value"][~batch["loss_mask"]] == 0)
-    before = [p.detach().clone() for p in trainer.critic_model.parameters()]
+    before = [p.detach().clone() for p in trainer.models.critic_model.parameters()]
     batch["value_target"] = batch["value_target"] + 1.0  # a target the critic surely misses (rewards may all be 0)
     trainer.update_critic(batch)
-    assert len(trainer.step_log["grad_norms"]["critic"]) == trainer.cfg.train.critic_updates
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.critic_model.parameters()))
-    actor_before = [p.detach().clone() for p in trainer.actor_model.parameters()]
+    assert len(trainer.ppo.step_log["grad_norms"]["critic"]) == trainer.cfg.train.critic_updates
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.models.critic_model.parameters()))
+    actor_before = [p.detach().clone() for p in trainer.models.actor_model.parameters()]
     batch["advantage"] = batch["advantage"] + 1.0
     trainer.update_policy(batch, iteration=0)
-    assert any(not torch.equal(b, p) for b, p in zip(actor_before, trainer.actor_model.parameters()))
+    assert any(not torch.equal(b, p) for b, p in zip(actor_before, trainer.models.actor_model.parameters()))
     assert 0.0 <= trainer.evaluate() <= 1.0
     log = trainer.iteration_metrics(batch, t0=0.0)
     assert {"policy/approx_kl", "policy/clip_fraction", "critic/loss_critic", "grad_norm/actor", "grad_norm/critic"} <= set(log)
@@ -132,7 +132,7 @@ def test_an_exception_in_fit_closes_the_sampler_and_frees_the_run_directory(tmp_
     processes until the interpreter exits). The sampler is closed (counted on a stand-in close) and the error goes on."""
     trainer = make(tmp_path / "run", "warm_start.enabled=false")
     closed = []
-    trainer.backend.close = lambda: closed.append(1)
+    trainer.sampler.backend.close = lambda: closed.append(1)
 
     def broken():
         raise RuntimeError("environment server down")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from _vllm import require_vllm, tiny_checkpoint
-from crl.modules.generation import SamplingParams, TransformersBackend, make_backend, sampling_log_probs
+from crl.modules.backends import make_backend
+from crl.modules.generation import SamplingParams, TransformersBackend, sampling_log_probs
 
 pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
 
@@ -234,11 +235,11 @@ def test_a_stop_token_sampled_at_the_length_cap_is_a_stop():
 def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
     """Issue 27 defect 5: the trainer stamped policy_version after a vLLM sync whatever the engine read. Now the
     engine's count of tensors read must equal the learner's export, else the sync raises and the version stays;
-    run through Trainer.sync_policy_weights with a stand-in engine that reads the directory itself (no vLLM)."""
+    run through the trainer's Sampler.sync with a stand-in engine that reads the directory itself (no vLLM)."""
     from types import SimpleNamespace as NS
 
     from crl.modules.vllm_worker import iter_weight_files
-    from crl.trainer import Trainer
+    from crl.training.sampler import Sampler
 
     class Engine:
         def __init__(self, lose: int):
@@ -249,14 +250,13 @@ def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
 
     lm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     for lose in (0, 1):
-        t = NS(cfg=NS(model=NS(backend="vllm")), weights_dir=tmp_path / "weights", local_rank=0, lm=lm, backend=Engine(lose),
-               policy_version=4, _barrier=lambda: None)
+        t = NS(weights_dir=tmp_path / "weights", local_rank=0, models=NS(lm=lm), backend=Engine(lose))
         if lose:
             with pytest.raises(RuntimeError, match=r"exported 4 tensors, the engine read 3 .* policy_version stays 3 \(not 4\)"):
-                Trainer.sync_policy_weights(t)
+                Sampler.sync(t, 4)
             assert t.backend.policy_version == 3
         else:
-            Trainer.sync_policy_weights(t)
+            Sampler.sync(t, 4)
             assert t.backend.policy_version == 4
 
 

@@ -60,7 +60,7 @@ def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
     common = [f"run_dir={run}", f"model.preset={ckpt}", *VLLM, "warm_start.steps=40", "checkpoint.every=1", "checkpoint.keep_last=5",
               "eval.every=1", "checkpoint.evidence_every=1"]
     first = Trainer(load_config(ROOT / "configs/default.yaml", [*common, "train.iterations=2"]))
-    assert first.policy_version == 0 and first.backend.policy_version == 0
+    assert first.policy_version == 0 and first.sampler.backend.policy_version == 0
     rollout = first.collect()
     assert learner_gap(first, rollout) < TOL and (rollout["policy_version"] == 0).all()
     first.fit()  # two iterations: each update is followed by a sync (and the next collection is checked below)
@@ -71,7 +71,7 @@ def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr
 
     resumed = Trainer(load_config(ROOT / "configs/default.yaml", [*common, "train.iterations=3"]))
-    assert resumed.start_iteration == 2 and resumed.policy_version == resumed.backend.policy_version == 2  # two updates before
+    assert resumed.start_iteration == 2 and resumed.policy_version == resumed.sampler.backend.policy_version == 2  # two updates before
     rollout = resumed.collect()
     assert learner_gap(resumed, rollout) < TOL
     resumed.update_policy(resumed.compute_advantages(rollout), iteration=2)  # an update whose sync is forgotten

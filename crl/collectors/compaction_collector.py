@@ -40,6 +40,7 @@ from crl.compaction import CompactionConfig, CompactionEngine, Decision, Episode
 from crl.envs.base import StepResult
 from crl.episode import EpisodeStatus, build_episode, concat_episodes, terminal_outcome, validate_episodes
 from crl.modules.generation import GenerationBackend, SamplingParams
+from crl.streams import rollout_id
 
 
 class EnvStepTimeout(TimeoutError):
@@ -187,8 +188,8 @@ class EpisodeStream:
         self.batches_yielded = int(state["batches_yielded"])
 
     def _rollout_id(self, n: int) -> int:
-        """This rank's episode ``n``: ``rank + world_size * n``, unique across ranks without communication."""
-        return self.rank + self.world_size * n
+        """This rank's episode ``n`` (:func:`crl.streams.rollout_id`)."""
+        return rollout_id(self.rank, self.world_size, n)
 
     def _next_task(self, n: int):
         if self.tasks_in_order:  # by global episode id: ranks play disjoint tasks

@@ -13,7 +13,6 @@ Backends:
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
@@ -81,14 +80,6 @@ class GenerationBackend(Protocol):
 
     def close(self) -> None:
         """Release the engine (its processes, its memory); the sampler is unusable afterwards."""
-
-
-def stream_seed(seed: int, *names) -> int:
-    """A 63-bit seed for the sampler stream ``names`` (e.g. ``("policy", rank)``, ``("eval", rank)``) of run seed
-    ``seed``: distinct streams and distinct seeds never share draws (SHA-256 of the parts, not an affine formula
-    that collides once a rank number or stream offset grows past the stride)."""
-    blob = "|".join(str(x) for x in (seed, *names)).encode()
-    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
 
 
 def sampling_log_probs(logits: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
@@ -235,15 +226,3 @@ class TransformersBackend:
             Generation(out_tokens[i, : lengths[i]].tolist(), out_logp[i, : lengths[i]].tolist(), bool(stopped[i]))
             for i in range(n)
         ]
-
-
-def make_backend(name: str, **kwargs) -> GenerationBackend:
-    """``"transformers"`` (:class:`TransformersBackend`) or ``"vllm"`` (:class:`crl.modules.vllm_backend.VLLMBackend`,
-    imported only then: vLLM is optional)."""
-    if name == "transformers":
-        return TransformersBackend(**kwargs)
-    if name == "vllm":
-        from crl.modules.vllm_backend import VLLMBackend
-
-        return VLLMBackend(**kwargs)
-    raise ValueError(f"unknown generation backend {name!r}; choose 'transformers' or 'vllm'")

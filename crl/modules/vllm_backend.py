@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from crl.modules.generation import Generation, SamplingParams, stream_seed
+from crl.modules.generation import Generation, SamplingParams
+from crl.streams import stream_seed
 
 __all__ = ["EngineSettings", "VLLMBackend", "claim_weights_dir", "default_weights_base", "export_weights", "remove_stale_weights_dirs",
            "weight_bytes", "weights_dir"]

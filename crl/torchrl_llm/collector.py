@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from crl.collectors.compaction_collector import EpisodeStream, EpisodeSummary
 from crl.compaction import CompactionConfig
 from crl.episode import EpisodeStatus, Provenance, Segment, SegmentKind, build_episode, concat_episodes, validate_episodes
-from crl.modules.generation import stream_seed
+from crl.streams import stream_seed
 from crl.modules.models import actor_module
 from crl.sampling import SamplingSpec, seeded_torch_rng, warn_ignored_generation_keys
 from crl.torchrl_llm.convert import to_episodes

@@ -1,0 +1,137 @@
+"""accelerate / DeepSpeed set-up and the collectives over data-parallel ranks (the Trainer's distributed part).
+
+Importing this module sets ``DS_ACCELERATOR=cpu`` on a machine without CUDA before DeepSpeed is first imported
+(DeepSpeed on CPU, gloo, for laptops and CI).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import os
+from pathlib import Path
+
+if "DS_ACCELERATOR" not in os.environ:  # must be set before DeepSpeed is first imported
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+from crl.config import Config, ConfigValidationError
+from crl.objectives.distributed import all_reduce_sum, dist_ready
+
+__all__ = ["make_accelerator", "deepspeed_stage", "process_ranks", "reduce_stats", "mean_over_ranks", "mean_scalar_over_ranks",
+           "max_min_over_ranks", "barrier", "peak_memory_mb", "optimizer_layout"]
+
+
+def make_accelerator(cfg: Config):
+    """Plain accelerate, or two DeepSpeed engines (actor, critic) from one DeepSpeed JSON (docs/design.md §9).
+
+    Returns ``(accelerator, deepspeed_config_or_None)``.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    ds_file = cfg.deepspeed.config
+    if ds_file is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")  # `accelerate launch --use_deepspeed ...`
+        if not ds_file:
+            raise ConfigValidationError("--use_deepspeed needs --deepspeed_config_file (e.g. configs/deepspeed/zero2.json)")
+    cuda = torch.cuda.is_available()
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+    # the process group's timeout (gloo and NCCL, DeepSpeed's init_distributed too): a lost machine ends the run
+    timeout = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))]
+    if ds_file is None:
+        return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=timeout), None
+    ds = json.loads(Path(ds_file).read_text())
+    ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two below and the world size
+    ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of segments per backward
+    ds["gradient_accumulation_steps"] = cfg.train.micro_batches  # we call backward+step per micro-batch
+    ds["gradient_clipping"] = cfg.train.max_grad_norm
+    ds.setdefault("bf16", {"enabled": bf16})  # actor and critic engines in bf16 on GPUs (the JSON may override)
+    # zero3_init_flag=False: accelerate would register the config with transformers for the whole process. Under
+    # ZeRO-3 the trainer builds the actor and the critic under zero.Init itself, exactly around their construction
+    # (crl.modules.zero3.zero3_init), so no rank ever holds a full model.
+    plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds), zero3_init_flag=False) for name in ("actor", "critic")}
+    accelerator = Accelerator(deepspeed_plugins=plugins, kwargs_handlers=timeout)
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # accelerate registers the config with transformers, whose from_config would then zero.Init
+    return accelerator, ds
+
+
+def reduce_stats(stats: dict, device: torch.device | str = "cpu") -> dict:
+    """Sum per-rank counts over data-parallel ranks (on ``device``: NCCL reduces only CUDA tensors)."""
+    keys = sorted(stats)
+    vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device))
+    return dict(zip(keys, vec.tolist()))
+
+
+def mean_over_ranks(values: dict[str, list[float]], device: torch.device | str = "cpu") -> dict[str, float]:
+    """The mean of each key's finite values pooled over every data-parallel rank (each rank passes its own lists;
+    a key any rank lists is reported, NaN/inf entries are left out, a key with no finite value anywhere is omitted).
+    Every rank gets the same dict. The keys are agreed with one ``all_gather_object``, so the ranks may differ in
+    what they list."""
+    keys = set(values)
+    if dist_ready():
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, sorted(keys))
+        keys = set().union(*map(set, gathered))
+    keys = sorted(keys)
+    finite = [[v for v in values.get(k, []) if math.isfinite(v)] for k in keys]
+    sums = all_reduce_sum(torch.tensor([[sum(f), len(f)] for f in finite], dtype=torch.float64, device=device).reshape(-1, 2))
+    return {k: float(s / n) for k, (s, n) in zip(keys, sums.tolist()) if n > 0}
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this process so far: CUDA allocator peak on GPU, resident set size (``ru_maxrss``) on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def deepspeed_stage(ds_config: dict | None) -> int | None:
+    """The ZeRO stage of a DeepSpeed config (None: no DeepSpeed)."""
+    return None if ds_config is None else int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def optimizer_layout(ds_config: dict | None) -> str:
+    """How the optimizer state is stored in a checkpoint: ``torch`` (whole on every rank) or ``deepspeed-zero{stage}``
+    (partitioned per process)."""
+    return "torch" if ds_config is None else f"deepspeed-zero{deepspeed_stage(ds_config)}"
+
+
+def process_ranks(accelerator) -> tuple[int, int, int]:
+    """``(rank, world, local_rank)``. The process group's numbers when one is initialised: accelerate reports 1
+    process for DeepSpeed on CPU (docs/design.md §9); the local rank places a vLLM engine on its machine."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def mean_scalar_over_ranks(x: float, world: int, device) -> float:
+    """``x`` averaged over the data-parallel ranks: one value every rank decides on."""
+    return float(all_reduce_sum(torch.tensor([x], dtype=torch.float64, device=device))) / world
+
+
+def max_min_over_ranks(x: float, device) -> tuple[float, float]:
+    """The largest and the smallest of every rank's ``x``."""
+    hi = torch.tensor([x], dtype=torch.float64, device=device)
+    lo = hi.clone()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
+    return float(hi), float(lo)
+
+
+def barrier() -> None:
+    """Every rank of the process group (accelerate's ``wait_for_everyone`` sees 1 process for DeepSpeed on CPU)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

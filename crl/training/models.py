@@ -1,0 +1,156 @@
+"""The learner's models: the policy, the critic, the frozen summariser copy, their optimizers and engines.
+
+Decided once, here: plain accelerate or two DeepSpeed engines (actor, critic) and their ZeRO stage, a critic or
+none (``algo.estimator=group``), prefix-shared or padded forwards (:mod:`crl.learner`). The rest of the trainer
+sees ``actor`` / ``critic`` (``TensorDictModule`` s over :data:`crl.modules.models.MODEL_IN_KEYS`, or their
+prefix-shared forwards), ``actor_model`` / ``critic_model`` (what the optimizers step) and the optimizers.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+from tensordict.nn import TensorDictModule
+
+from crl import checkpoint as ckpt_files
+from crl.config import Config, ConfigValidationError
+from crl.io import atomic_torch_save
+from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
+from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
+from crl.modules.zero3 import copy_parameters_, zero3_init
+from crl.training.accelerator import deepspeed_stage, optimizer_layout
+
+__all__ = ["build_policy_lm", "LearnerModels"]
+
+
+def build_policy_lm(cfg: Config, codec, ds_config: dict | None):
+    """The policy's causal LM (``model.preset``) for ``codec``'s vocabulary, seeded ``train.seed``; under ZeRO-3 built
+    partitioned (zero.Init, a checkpoint loaded one module at a time: crl/modules/zero3.py). Refuses a context
+    capacity beyond the model's positions."""
+    C = cfg.compaction.context_capacity
+    torch.manual_seed(cfg.train.seed)
+    with zero3_init(ds_config) if deepspeed_stage(ds_config) == 3 else contextlib.nullcontext():
+        lm = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id, seed=cfg.train.seed)
+    if getattr(lm.config, "max_position_embeddings", C) < C:
+        raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's max_position_embeddings={lm.config.max_position_embeddings}")
+    return lm
+
+
+class LearnerModels:
+    """The (warm-started) policy ``lm``, the critic initialised from it (the paper's init; none when
+    ``algo.estimator=group``), the frozen copy (``algo.frozen_summary``), Adam for each, prepared by accelerate or as
+    DeepSpeed engines. ``spec``: the sampling distribution the actor's log-probs are taken under (crl/sampling.py)."""
+
+    def __init__(self, cfg: Config, lm, spec, accelerator, ds_config: dict | None, device):
+        self.cfg, self.lm, self.accelerator, self.ds_config, self.device = cfg, lm, accelerator, ds_config, device
+        self.use_ds = ds_config is not None
+        self.stage3 = deepspeed_stage(ds_config) == 3
+        self.use_critic = cfg.algo.estimator == "gae"
+        actor_net = CausalLMLogProbs.from_spec(lm, spec)
+        critic_net = (ValueModel.from_actor(lm, share_backbone=cfg.model.share_critic_backbone, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
+                                            zero3_config=ds_config if self.stage3 else None) if self.use_critic else None)
+        if cfg.model.gradient_checkpointing:
+            for net in filter(None, (actor_net, critic_net)):
+                enable_gradient_checkpointing(net)
+        self.frozen_lm = self._frozen_copy() if cfg.algo.frozen_summary else None
+        t = cfg.train
+        actor_opt = torch.optim.Adam(actor_net.parameters(), lr=t.actor_lr, weight_decay=t.weight_decay)
+        critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay) if critic_net is not None else None
+        self.critic_model = self.critic_opt = None
+        if self.use_ds:  # two engines from one DeepSpeed JSON (docs/design.md §9)
+            accelerator.state.select_deepspeed_plugin("actor")
+            self.actor_model, self.actor_opt = accelerator.prepare(actor_net, actor_opt)
+            if critic_net is not None:
+                accelerator.state.select_deepspeed_plugin("critic")
+                self.critic_model, self.critic_opt = accelerator.prepare(critic_net, critic_opt)
+        elif critic_net is not None:
+            self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = accelerator.prepare(actor_net, critic_net, actor_opt, critic_opt)
+        else:
+            self.actor_model, self.actor_opt = accelerator.prepare(actor_net, actor_opt)
+        L = cfg.learner
+        self.critic = None
+        if L.prefix_sharing:  # each token computed once: crl/learner.py
+            shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
+            self.actor = PrefixSharedForward(self.actor_model, ["log_prob", "entropy"], **shared)
+            if self.critic_model is not None:
+                self.critic = PrefixSharedForward(self.critic_model, ["state_value"], **shared)
+        else:  # one padded forward of every segment row per micro-batch
+            self.actor = TensorDictModule(self.actor_model, list(MODEL_IN_KEYS), ["log_prob", "entropy"])
+            if self.critic_model is not None:
+                self.critic = TensorDictModule(self.critic_model, list(MODEL_IN_KEYS), ["state_value"])
+
+    def _frozen_copy(self):
+        """The frozen-summary policy: a plain copy of the (warm-started) actor, the same on every rank. Under ZeRO-3 it
+        is filled one module at a time from the partitioned actor, but it is a full plain model on every rank (the
+        frozen sampler does not run through an engine)."""
+        if not self.stage3:
+            return copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device)
+        from transformers import AutoModelForCausalLM
+
+        frozen = AutoModelForCausalLM.from_config(self.lm.config).to(self.device)
+        copy_parameters_(frozen, self.lm)
+        return frozen.eval().requires_grad_(False)
+
+    def trained(self) -> list[tuple[str, object, object]]:
+        """``[("actor", engine/module, optimizer), ("critic", ...)]``: the models with an optimizer."""
+        return [(name, m, opt) for name, m, opt in (("actor", self.actor_model, self.actor_opt), ("critic", self.critic_model, self.critic_opt))
+                if m is not None]
+
+    def optimizer_layout(self) -> str:
+        """How the optimizer state is stored (:func:`crl.training.accelerator.optimizer_layout`)."""
+        return optimizer_layout(self.ds_config)
+
+    def release_gathered(self) -> None:
+        """ZeRO-3 keeps parameters it expects to reuse soon gathered after a forward/backward; between phases nothing
+        is reused soon, so give them back (``empty_partition_cache``: every parameter back to its partition)."""
+        if self.stage3:
+            for model in (self.actor_model, self.critic_model):
+                if model is not None:
+                    model.empty_partition_cache()
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save(self, directory: Path, rank: int, is_main: bool, tokenizer) -> None:
+        """Write the weights and optimizer states into the checkpoint being built in ``directory`` (every rank calls it:
+        the consolidation is a collective under ZeRO-3, and every rank writes its own ZeRO optimizer partition)."""
+        acc = self.accelerator
+        actor_sd = acc.get_state_dict(self.actor_model)  # consolidated on rank 0
+        critic_sd = acc.get_state_dict(self.critic_model) if self.critic_model is not None else None
+        if self.use_ds:
+            for name, model, _ in self.trained():
+                atomic_torch_save(directory / ckpt_files.optimizer_file(name, rank),
+                                             {"zero": model.optimizer.state_dict(), "global_steps": model.global_steps,
+                                              "global_samples": model.global_samples, "skipped_steps": model.skipped_steps})
+        if not is_main:
+            return
+        ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()}, tokenizer)
+        if critic_sd is not None:
+            if self.cfg.model.share_critic_backbone:  # the backbone is the policy's: store the head only
+                critic_sd = {k: v for k, v in critic_sd.items() if k.startswith("value_head.")}
+            ckpt_files.save_weights(critic_sd, directory / ckpt_files.CRITIC_FILE)
+        if self.frozen_lm is not None:
+            ckpt_files.save_model_dir(directory / ckpt_files.FROZEN_POLICY_DIR, self.frozen_lm, self.frozen_lm.state_dict(), tokenizer)
+        if not self.use_ds:  # the whole state, the same on every rank
+            for name, _, opt in self.trained():
+                atomic_torch_save(directory / ckpt_files.optimizer_file(name, None), opt.state_dict())
+
+    def load(self, checkpoint: Path, rank: int, world: int) -> None:
+        """Restore the weights and optimizer states :meth:`save` wrote (this rank's ZeRO partition under DeepSpeed: the
+        fp32 masters come from it, the working weights from the weight files)."""
+        acc = self.accelerator
+        ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        if self.critic_model is not None:
+            shared = ("value_head.",) if self.cfg.model.share_critic_backbone else None
+            ckpt_files.load_weights_(acc.unwrap_model(self.critic_model), checkpoint / ckpt_files.CRITIC_FILE, keys=shared)
+        if self.frozen_lm is not None:
+            ckpt_files.load_weights_(self.frozen_lm, checkpoint / ckpt_files.FROZEN_POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        for name, model, opt in self.trained():
+            if self.use_ds:
+                mine = torch.load(checkpoint / ckpt_files.optimizer_file(name, rank), map_location="cpu", weights_only=False)
+                parts = [None] * world
+                parts[rank] = mine["zero"]
+                model.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+                model.global_steps, model.global_samples, model.skipped_steps = mine["global_steps"], mine["global_samples"], mine["skipped_steps"]
+            else:
+                opt.load_state_dict(torch.load(checkpoint / ckpt_files.optimizer_file(name, None), map_location="cpu", weights_only=True))

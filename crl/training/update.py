@@ -1,0 +1,232 @@
+"""One iteration's learning: the estimator, the losses, micro-batches and optimizer steps (docs/design.md §4–§5).
+
+:class:`PPOUpdate` turns a batch of the collector's rows into advantages (:class:`CrossTrajectoryGAE` with the
+critic's values, or :class:`GroupRelativeAdvantage` without a critic), then steps the critic and the policy. Every
+optimizer step is normalised by the optimized-token count of the whole step over all ranks and micro-batches
+(Eq. 12), so the gradient does not depend on how the batch is split or spread. What the steps did is kept in
+``step_log`` (grad norms, normalizers, loss metrics, behaviour entropy) for the iteration's metrics and evidence.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from tensordict import TensorDict
+
+from crl.config import Config
+from crl.episode import SegmentKind
+from crl.learner import plan_forward, split_microbatches, split_rows
+from crl.modules.models import MODEL_IN_KEYS
+from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage
+from crl.objectives.distributed import all_reduce_sum
+
+__all__ = ["PPOUpdate"]
+
+
+class PPOUpdate:
+    """The estimator and losses over ``models`` (:class:`crl.training.models.LearnerModels`) and their optimizer
+    steps. ``world``: data-parallel ranks (the gradient average the normalizer undoes); ``device``: where the
+    collectives' tensors live."""
+
+    def __init__(self, cfg: Config, models, accelerator, world: int, device):
+        self.cfg, self.models, self.accelerator, self.world, self.device = cfg, models, accelerator, world, device
+        a = cfg.algo
+        if models.use_critic:
+            self.estimator = CrossTrajectoryGAE(
+                gamma=a.gamma, alpha=a.alpha, lmbda=a.lmbda, lambda_length=a.lambda_length, cross_trajectory=a.cross_trajectory,
+                value_target=a.value_target, boundary=a.boundary, whiten=a.whiten_advantage,
+            )
+        else:
+            self.estimator = GroupRelativeAdvantage(baseline=a.group_baseline, scale=a.group_scale)
+        ppo_kwargs = dict(eps_low=a.clip_eps_low, eps_high=a.clip_eps_high, aggregation=a.aggregation)
+        self.policy_loss = CompactionPPOLoss(models.actor, None, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, **ppo_kwargs)
+        self.critic_loss = CompactionPPOLoss(None, models.critic, clip_value=a.clip_value, **ppo_kwargs) if models.critic is not None else None
+        self.reset_step_log()
+
+    def reset_step_log(self) -> None:
+        """``step_log``: the grad norms, normalizers and loss metrics of the optimizer steps since the reset (and, once
+        recorded, ``entropy``: the behaviour entropy sums of :meth:`record_behaviour_entropy` or the first policy
+        step; ``policy_steps`` / ``kl_stop`` after :meth:`update_policy`)."""
+        self.step_log = {"grad_norms": {"actor": [], "critic": []}, "normalizers": {"actor": [], "critic": []}, "metrics": {}}
+
+    def advantages(self, batch: TensorDict) -> TensorDict:
+        """``batch`` with the critic's ``state_value`` (zeros without a critic) and the estimator's ``advantage`` /
+        ``value_target``. Every rank calls it, with or without rows (the critic's forwards are collectives under
+        ZeRO-3 and DDP)."""
+        if self.models.critic is None:  # critic-free (algo.estimator=group): nothing to evaluate
+            batch["state_value"] = torch.zeros(batch["loss_mask"].shape, device=batch.device)
+            return self.estimator(batch)
+        with torch.no_grad():
+            if self.cfg.learner.prefix_sharing:  # no graph kept: the whole batch at once, chunked by the plan
+                values = self.models.critic(batch.select(*self.models.critic.in_keys).clone())["state_value"]
+            else:
+                values = torch.cat([self.models.critic(mb.select(*MODEL_IN_KEYS).clone())["state_value"] for mb in self.split(batch)])
+        batch["state_value"] = values[: batch.batch_size[0]] * batch["loss_mask"]
+        self.models.release_gathered()
+        return self.estimator(batch)
+
+    def split(self, td: TensorDict, plan=None) -> list[TensorDict]:
+        """Exactly ``train.micro_batches`` micro-batches (the same count on every rank, as DeepSpeed needs).
+
+        ``plan``: ``td``'s :func:`~crl.learner.plan_forward`, when the caller already has it (prefix sharing only).
+        """
+        L, n = self.cfg.learner, self.cfg.train.micro_batches
+        if L.prefix_sharing:  # balanced by forward tokens; a prefix pair never splits
+            return split_microbatches(td, n, plan=plan, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
+        return split_rows(td, n)
+
+    def learner_metrics(self, batch: TensorDict) -> dict:
+        """``perf/learner_tokens`` (positions through the actor for one pass over ``batch``, padding included),
+        ``perf/unique_tokens`` (distinct (rollout, position) pairs the loss and the values need), ``perf/padding_frac``."""
+        L = self.cfg.learner
+        plan = plan_forward(batch, max_padding=L.max_padding)
+        mbs = self.split(batch, plan)
+        unique = plan.unique_tokens
+        if L.prefix_sharing:
+            processed = sum(plan_forward(mb, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens).learner_tokens for mb in mbs)
+        else:
+            processed = sum(mb.batch_size[0] * mb["tokens"].shape[-1] for mb in mbs)
+        return {"perf/learner_tokens": processed, "perf/unique_tokens": unique,
+                "perf/padding_frac": 1.0 - unique / processed if processed else 0.0}
+
+    def update_critic(self, batch: TensorDict) -> None:
+        """``train.critic_updates`` critic optimizer steps on the whole batch (split into micro-batches once); nothing
+        without a critic (``algo.estimator=group``)."""
+        if self.models.critic is None:
+            return
+        mbs = self.split(batch)
+        for _ in range(self.cfg.train.critic_updates):
+            self.optimizer_step("critic", mbs)
+        self.models.release_gathered()
+
+    def schedule_fraction(self, schedule: str, iteration: int) -> float:
+        """``1 - iteration / train.iterations`` for a ``linear`` schedule, 1 for ``constant``: the factor of the learning
+        rates (``train.lr_schedule``) and of the entropy bonus (``algo.entropy_schedule``) at ``iteration`` (0-based)."""
+        return 1.0 - iteration / self.cfg.train.iterations if schedule == "linear" else 1.0
+
+    def set_learning_rates(self, iteration: int) -> dict:
+        """The learning rates of ``iteration`` (0-based), set on both optimizers: ``train.actor_lr`` / ``critic_lr`` times
+        ``1 - iteration / train.iterations`` with ``train.lr_schedule=linear`` (CleanRL's ``anneal_lr``), times 1 with
+        ``constant``. A function of the iteration alone, so a resumed run continues the same schedule."""
+        t = self.cfg.train
+        frac = self.schedule_fraction(t.lr_schedule, iteration)
+        rates = {"actor": t.actor_lr * frac, "critic": t.critic_lr * frac}
+        for name, opt in (("actor", self.models.actor_opt), ("critic", self.models.critic_opt)):
+            if opt is not None:  # (a DeepSpeed engine's optimizer exposes the same param_groups)
+                for group in opt.param_groups:
+                    group["lr"] = rates[name]
+        return rates
+
+    def set_entropy_coef(self, iteration: int) -> float:
+        """The entropy bonus's weight at ``iteration`` (0-based), set on the policy loss: ``algo.entropy_coef`` times
+        ``1 - iteration / train.iterations`` with ``algo.entropy_schedule=linear``, times 1 with ``constant``. A
+        function of the iteration alone, so a resumed run continues the same schedule."""
+        a = self.cfg.algo
+        self.policy_loss.entropy_coeff = a.entropy_coef * self.schedule_fraction(a.entropy_schedule, iteration)
+        return self.policy_loss.entropy_coeff
+
+    def update_policy(self, batch: TensorDict, iteration: int) -> None:
+        """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order).
+
+        With ``algo.target_kl``: before each step after the iteration's first, its forward's approximate KL to the
+        sampling policy, ``KL̂ = Σ_t [(ρ_t - 1) - log ρ_t] / n`` over the step's optimized tokens on every rank
+        (Schulman's k3 estimator; ρ_t the new/old probability ratio; nats per token), is compared with
+        ``1.5 × target_kl``: above it the step is not applied and the iteration's policy update ends there (SB3's
+        ``target_kl``). The first step starts from the sampling weights (KL̂ = 0 up to float noise) and is always
+        applied. Logged: ``policy/steps`` (steps applied), ``policy/kl_stop`` (1 when stopped)."""
+        t = self.cfg.train
+        rollouts = batch["rollout_id"].unique()
+        order = torch.Generator().manual_seed(t.seed * 7919 + iteration)  # once per iteration: each epoch a new order
+        chunks = [chunk for _ in range(t.policy_epochs)
+                  for chunk in rollouts[torch.randperm(len(rollouts), generator=order)].tensor_split(t.policy_minibatches)]
+        steps, stopped = 0, False
+        for chunk in chunks:
+            max_kl = None if steps == 0 or self.cfg.algo.target_kl is None else 1.5 * self.cfg.algo.target_kl
+            if not self.optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]), max_kl=max_kl):
+                stopped = True
+                break
+            steps += 1
+        self.step_log["policy_steps"], self.step_log["kl_stop"] = steps, stopped
+        self.models.release_gathered()
+
+    @property
+    def entropy_from_policy_loss(self) -> bool:
+        """Whether the first policy step of an iteration sees every row with the weights that sampled it, so its
+        forward gives the behaviour entropy for free: one minibatch per epoch (``train.policy_minibatches=1``; with
+        more, later minibatches see updated weights) and a critic that does not move the actor's weights
+        (``model.share_critic_backbone=false``: the critic steps come first)."""
+        return self.cfg.train.policy_minibatches == 1 and not self.cfg.model.share_critic_backbone
+
+    def record_behaviour_entropy(self, batch: TensorDict) -> None:
+        """One no-grad actor pass over ``batch`` with the weights that sampled it (call it before any update of the
+        iteration): ``step_log["entropy"][kind] = [Σ H_t, n]`` over this rank's optimized tokens of each segment kind,
+        ``H_t`` the entropy (nats) of the sampling distribution (temperature, top-p) at token ``t``.
+
+        Used when no policy step records it (critic warm-up iterations, :attr:`entropy_from_policy_loss` false).
+        Every rank calls it with the same number of forward calls as :meth:`advantages`'s critic pass
+        (prefix sharing agrees on the chunk count; the naive learner makes ``train.micro_batches`` calls), as DDP
+        and ZeRO-3 need, even with no row."""
+        S = batch.batch_size[0]
+        with torch.no_grad():
+            if self.cfg.learner.prefix_sharing:
+                ent = self.models.actor(batch.select(*self.models.actor.in_keys).clone())["entropy"]
+            else:
+                ent = torch.cat([self.models.actor(mb.select(*MODEL_IN_KEYS).clone())["entropy"] for mb in self.split(batch)])
+        self.models.release_gathered()
+        ent, mask = ent[:S].to(torch.float64), batch["loss_mask"].bool()
+        kind = batch["segment_kind"].unsqueeze(-1)
+        self.step_log["entropy"] = {
+            name: [float(torch.where(mask & (kind == int(k)), ent, 0.0).sum()), int((mask & (kind == int(k))).sum())]
+            for name, k in (("execution", SegmentKind.EXECUTION), ("summary", SegmentKind.SUMMARY))
+        }
+        self.step_log["entropy_pass"] = True  # one more pass over the batch (perf/learner_tokens_per_s)
+
+    def optimizer_step(self, name: str, mbs: list[TensorDict], max_kl: float | None = None) -> bool:
+        """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`):
+        backward per micro-batch, clip, step. Returns whether the step was applied: with ``max_kl`` (the actor,
+        no DeepSpeed), a step whose token-weighted ``approx_kl`` over all micro-batches and ranks exceeds it is
+        dropped (gradients zeroed, no grad norm listed; its loss metrics are still logged).
+
+        Every micro-batch's loss is its masked *sum* divided by the step's global token count (all micro-batches,
+        all ranks), so the gradient does not depend on how the batch is split. Records the pre-clipping grad
+        norm, the normalizer (evidence) and the loss module's metrics in ``self.step_log``.
+        """
+        loss_module, model, opt, prefix = {
+            "actor": (self.policy_loss, self.models.actor_model, self.models.actor_opt, "policy/"),
+            "critic": (self.critic_loss, self.models.critic_model, self.models.critic_opt, "critic/"),
+        }[name]
+        norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
+        outs = []
+        for mb in mbs:
+            out = loss_module(mb, normalizer=norm)
+            loss = sum(v for k, v in out.items() if k.startswith("loss_"))
+            if self.models.use_ds:
+                model.backward(loss, scale_wrt_gas=False)  # the loss is already normalised by the step's global counts
+                model.step()  # DeepSpeed steps (and clips) at the accumulation boundary only
+            else:
+                self.accelerator.backward(loss)
+            outs.append(out)
+        log = self.step_log
+        for out in outs:  # a dropped step's metrics too: its approx_kl is why it was dropped
+            for key, val in out.items():
+                log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
+        if max_kl is not None:
+            kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
+                                             dtype=torch.float64, device=self.device).reshape(-1, 2).sum(0))
+            if float(kl[0]) > max_kl * float(kl[1]):
+                opt.zero_grad(set_to_none=True)
+                return False
+        if self.models.use_ds:
+            gn = model.get_global_grad_norm()
+            gn = float(gn) if gn is not None else float("nan")
+        else:
+            gn = float(self.accelerator.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if name == "actor" and "entropy" not in log and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
+            # the iteration's first policy step: every row, forwarded with the weights that sampled it
+            log["entropy"] = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
+                              for kind in ("execution", "summary")}
+        log["grad_norms"][name].append(gn)
+        log["normalizers"][name].append(dataclasses.asdict(norm))
+        return True
