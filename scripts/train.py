@@ -38,6 +38,9 @@ def main(argv=None) -> None:
             _user_error(args, f"warm start failed: {err}")
         if lost_process_group(err):  # another machine died, hung or left the network: where to resume, not a traceback
             _user_error(args, resume_advice(cfg.run_dir, err))
+        if engine_died(err):  # this rank's vLLM engine process died: the others then lose the group (the line above)
+            _user_error(args, resume_advice(cfg.run_dir, err, what="its vLLM engine died", why="the engine process was killed or crashed "
+                                            "(out of memory? its log is above)"))
         if not isinstance(err, (RunDirError, OSError)):
             raise  # a bug, not a user error: the traceback is the report
         _user_error(args, f"error: {err}")
@@ -59,8 +62,18 @@ def lost_process_group(err: BaseException) -> bool:
     return False
 
 
-def resume_advice(run_dir, err: BaseException) -> str:
-    """One line: which rank lost the group and why, and the checkpoint the restart or a relaunch continues from."""
+def engine_died(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is vLLM's ``EngineDeadError`` (matched by name: vLLM is optional)."""
+    while err is not None:
+        if type(err).__name__ == "EngineDeadError":
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def resume_advice(run_dir, err: BaseException, what: str = "lost the process group",
+                  why: str = "a process on another machine died, hung past train.dist_timeout_s or became unreachable") -> str:
+    """One line: which rank failed (``what``, ``why``) and the checkpoint the restart or a relaunch continues from."""
     from crl.run_dir import newest_intact_checkpoint
 
     checkpoint = newest_intact_checkpoint(run_dir, report=lambda _: None)
@@ -74,8 +87,8 @@ def resume_advice(run_dir, err: BaseException) -> str:
                  "(checkpoint.resume=auto), or launch with torchrun --max-restarts to restart by itself")
     cause = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__  # gloo's source location
     cause = cause if len(cause) <= 160 else cause[:160] + "..."
-    return (f"error: rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')} lost the process group ({cause}): a "
-            f"process on another machine died, hung past train.dist_timeout_s or became unreachable; {where} (docs/cluster.md)")
+    return (f"error: rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')} {what} ({cause}): {why}; {where} "
+            "(docs/cluster.md)")
 
 
 def _user_error(args, message: str) -> None:

@@ -145,3 +145,55 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
             assert any(g.stopped for g in gens)
     finally:
         engine.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc)."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def test_a_dead_engine_ends_the_run_with_the_checkpoint_to_resume_from(ckpt, tmp_path):
+    """Issue 27 defect 6: the vLLM engine's process is SIGKILLed mid-run (after the first checkpoint). The run ends
+    within a bounded time (no hang) with one line naming the cause and the checkpoint to resume from, no traceback."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "scripts/train.py", f"run_dir={run}", f"model.preset={ckpt}", *VLLM, "warm_start.steps=10",
+           "train.iterations=1000", "checkpoint.every=1", "eval.every=0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(ENV, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "checkpoints" / "iter_000000" / "meta.json").is_file():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            time.sleep(1)
+        engines = [p for p in descendants(proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        assert engines, "no vLLM EngineCore process below the trainer"
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0, err[-3000:]
+    # the trainer's line (after it, only the interpreter's exit warnings, e.g. multiprocessing's resource tracker)
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, err[-3000:]
+    line = lines[0]
+    assert line.startswith("error: rank 0 of 1 its vLLM engine died") and "checkpoints/iter_" in line and "relaunch" in line, line
+    assert not err.rstrip().splitlines()[-1].startswith(("EngineDeadError", "vllm.")), err[-3000:]  # not an uncaught exception

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,6 +247,7 @@ class VLLMBackend:
         kw.update(llm_kwargs)
         with rank_placement(local_rank, self.settings):
             self.llm = vllm.LLM(model=str(model_path), **kw)
+        self._engine_state["watchdog"] = watch_engine(self.llm)
 
     @property
     def asleep(self) -> bool:
@@ -340,12 +342,50 @@ class VLLMBackend:
 
     def close(self) -> None:
         """Shut the engine down (its processes exit); the backend is unusable afterwards."""
+        watchdog = self._engine_state.pop("watchdog", None) if hasattr(self, "_engine_state") else None
+        if watchdog is not None:
+            watchdog.set()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
                 shutdown.shutdown()
             del llm
+
+
+def watch_engine(llm, every_s: float = 0.5) -> threading.Event | None:
+    """Make a call that waits on a dead engine raise instead of waiting forever; returns the event that stops the watch.
+
+    vLLM's synchronous client (0.32) notices that its engine-core process died (``resources.engine_dead``) and shuts its
+    output thread down, but a call already waiting, for outputs (``LLM.generate``) or for a utility's result (the
+    weight load's ``collective_rpc``), waits on a queue or a future that nothing will fill: the trainer hung (SIGKILL of
+    the EngineCore process, tests/test_vllm_training.py). A daemon thread fills them with vLLM's ``EngineDeadError``
+    once the client marks the engine dead, so the run ends with the cause and the checkpoint to resume from
+    (scripts/train.py). None: a client without those parts (an in-process engine, another vLLM), nothing to watch."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    resources = getattr(client, "resources", None)
+    if not hasattr(resources, "engine_dead"):
+        return None
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # (matched by name in scripts/train.py)
+        EngineDeadError = type("EngineDeadError", (RuntimeError,), {})
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(every_s):
+            if resources.engine_dead:
+                dead = EngineDeadError()
+                queue = getattr(client, "outputs_queue", None)
+                if queue is not None:
+                    queue.put_nowait(dead)
+                for future in list(getattr(client, "utility_results", {}).values()):
+                    if not future.done():
+                        future.set_exception(dead)
+                return
+
+    threading.Thread(target=watch, daemon=True, name="crl-vllm-engine-watchdog").start()
+    return stop
 
 
 class _RequestCounterState:
