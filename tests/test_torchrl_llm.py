@@ -196,6 +196,8 @@ def test_bad_setups_fail_with_the_fix_named(tok, lm):
     cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP)
     with pytest.raises(ConfigError, match="forced_steps"):
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=T_COMP, forced_steps=(2,)), MAX_NEW)
+    with pytest.raises(ConfigError, match="keep_task_prompt=True is not supported"):  # issue 27 defect 8: it was ignored
+        CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=T_COMP, keep_task_prompt=True), MAX_NEW)
     with pytest.raises(ConfigError, match="overflow"):
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=8), MAX_NEW)
     with pytest.raises(ConfigError, match="summary request"):

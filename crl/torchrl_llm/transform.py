@@ -97,6 +97,9 @@ class CompactionTransform(Compose):
         super().__init__(*on_action)
         if compaction.forced_steps:
             raise ConfigError("CompactionTransform compacts by the token budget (Eq. 7); forced_steps is not supported")
+        if compaction.keep_task_prompt:  # (was ignored: a user expecting the task in the resume context did not get it)
+            raise ConfigError("CompactionTransform resumes from system + summary + the last k steps (Eq. 9); keep_task_prompt=True is "
+                              "not supported: give a tool its task through the environment (docs/torchrl.md)")
         if compaction.min_remaining < max_new_tokens:
             raise ConfigError(
                 f"min_remaining T_comp={compaction.min_remaining} < max_new_tokens={max_new_tokens}: a policy call could overflow "
