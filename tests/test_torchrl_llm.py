@@ -246,6 +246,7 @@ def test_llm_collector_with_the_converter_as_postproc(tok, lm):
                 break
         col.shutdown()
     assert len(seen) == len(set(seen)) >= 2 and summaries >= 1
+    assert min(seen) == 1  # LLMCollector's constructor resets the env once: its first episode is the env's reset 1 (docs/torchrl.md)
 
 
 def chat_config(tmp_path, extra=()):
