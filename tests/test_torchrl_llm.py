@@ -185,6 +185,56 @@ def test_a_correct_final_answer_completes_with_reward_one(tok, lm):
     assert rows.shape[0] == 1 and ep["status"].tolist() == [EpisodeStatus.COMPLETED] and ep["reward"].tolist() == [1.0]
 
 
+def test_a_verifier_outside_the_transform_that_ends_an_episode_on_a_summary_is_refused(tok, lm):
+    """Issue 27 defect 8: a verifier outside CompactionTransform graded a summary turn and ended the episode there (a
+    summary "FINAL apple" earned reward 1). Before the transform in the chain: refused at that step; after it (an
+    explicit Compose; append_transform puts it inside, as a child): to_episodes refuses the rollout. Both name the fix."""
+    from torchrl.data.llm import History
+    from torchrl.envs import Compose, Transform
+
+    from crl.episode import EpisodeValidationError
+
+    class ResponseVerifier(Transform):  # reads the sampled reply itself, as many TorchRL verifiers do
+        def _step(self, tensordict, next_tensordict):
+            text = tok.decode(tensordict["tokens", "response"].reshape(-1).tolist(), skip_special_tokens=True).strip()
+            done = torch.full((1, 1), text.startswith("FINAL"))
+            next_tensordict.set("reward", torch.full((1, 1), float(text == "FINAL apple")))
+            next_tensordict.set("done", done | next_tensordict.get("done"))
+            next_tensordict.set("terminated", done | next_tensordict.get("terminated"))
+            return next_tensordict
+
+        def _reset(self, tensordict, tensordict_reset):
+            return tensordict_reset
+
+    policy = wrapper(lm, tok)
+
+    def scripted(td):  # "look" on action turns, "FINAL apple" as the summary
+        summary = int(td.get(("compaction", "phase")).reshape(-1)[0]) == 1
+        text = "FINAL apple" if summary else "look"
+        td = policy(td)
+        td["tokens", "response"] = torch.tensor([tok.encode(text + "<|im_end|>", add_special_tokens=False)])
+        td["tokens", "full"] = torch.cat([td["tokens", "prompt"].reshape(1, -1), td["tokens", "response"]], -1)
+        td["history"].full = td["history"].prompt.extend(History(role=[["assistant"]], content=[[text]], batch_size=(1, 1)), inplace=False, dim=-1)
+        return td
+
+    def chat():
+        return ChatEnv(batch_size=(1,), input_mode="history", system_prompt="You answer with FINAL <word>.", tokenizer=tok)
+
+    cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP, max_compactions=2, keep_recent=1, max_steps=40)
+    # no tool child: TorchRL's tools look their parent env up, which fails when the transform sits inside another Compose
+    before = TransformedEnv(chat(), Compose(ResponseVerifier(), CompactionTransform(tok, cfg, MAX_NEW)))
+    with pytest.raises(ValueError, match="before CompactionTransform ended the episode on a summary turn.*children"):
+        play(before, scripted)
+    after = TransformedEnv(chat(), Compose(CompactionTransform(tok, cfg, MAX_NEW), ResponseVerifier()))
+    rows = play(after, scripted)
+    assert int(rows[-1]["compaction", "segment"].reshape(-1)[0]) % 2 == 1 and float(rows[-1]["next", "reward"].sum()) == 1.0  # the bug
+    with pytest.raises(EpisodeValidationError, match="ended on its summary turn.*CompactionTransform's children"):
+        to_episodes(rows, vocab_size=len(tok))
+    inside = TransformedEnv(chat(), CompactionTransform(tok, cfg, MAX_NEW))
+    inside.append_transform(ResponseVerifier())  # TorchRL's append_transform: a child of the transform (a Compose), action turns only
+    assert int(play(inside, scripted)[-1]["compaction", "segment"].reshape(-1)[0]) % 2 == 0
+
+
 def test_rollout_ids_are_unique_across_environments_and_episodes(tok, lm):
     policy = wrapper(lm, tok)
     envs = [make_env(tok, max_steps=1, first=r, stride=2) for r in range(2)]  # two workers

@@ -113,6 +113,11 @@ def to_episodes(data: TensorDictBase, actor=None, *, vocab_size: int | None = No
             segments.append(seg)
         terminated = bool(_scalar(data, ("next", "terminated"), last)) if ("next", "terminated") in data.keys(True) else False
         truncated = bool(_scalar(data, ("next", "truncated"), last)) if ("next", "truncated") in data.keys(True) else False
+        if int(segs[last]) % 2 and not truncated:  # CompactionTransform ends a summary turn only by truncating (no room to resume)
+            raise EpisodeValidationError(
+                f"to_episodes: rollout {rid} ended on its summary turn, and CompactionTransform did not end it: a transform outside it "
+                "(a verifier or tool appended after CompactionTransform) acted on the summary; pass tools and verifiers as "
+                "CompactionTransform's children (CompactionTransform(tok, config, max_new_tokens, tool, verifier))")
         status = EpisodeStatus.TRUNCATED if truncated and not terminated else EpisodeStatus.COMPLETED
         reward = float(_scalar(data, ("next", "reward"), last)) if ("next", "reward") in data.keys(True) else 0.0
         if status == EpisodeStatus.TRUNCATED:

@@ -225,6 +225,11 @@ class CompactionTransform(Compose):
                 "and do not combine CompactionTransform with IncrementalTokenizer"
             )
         if state["phase"] == 1:
+            if bool(next_tensordict.get("done").any()):  # nothing of ours ran yet: a transform before this one graded the summary
+                raise ValueError(
+                    "a transform before CompactionTransform ended the episode on a summary turn (a verifier or tool appended before "
+                    "it acts on summaries too); pass tools and verifiers as CompactionTransform's children "
+                    "(CompactionTransform(tok, config, max_new_tokens, tool, verifier)), which run on action turns only")
             return self._resume(tensordict, next_tensordict, state, response)
         next_tensordict = super()._step(tensordict, next_tensordict)  # tools, verifier: action turns only
         state["n_steps"] += 1
