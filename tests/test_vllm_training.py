@@ -91,6 +91,34 @@ def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
     assert report["backend"] == "vllm" and report["success"] == logged[2]
 
 
+def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckpt, tmp_path):
+    """Issue 27 item 1 on the vLLM backend: the policy directory's generation_config.json sets a repetition penalty, an
+    n-gram ban and a top-k (what a real checkpoint can ship). The engine samples crl's distribution, so the learner
+    re-scores exactly what was drawn: the first policy update (one minibatch, every row at the sampling weights) has
+    approx_kl at float noise and clips nothing. Guarded twice: the engine is built with ``generation_config="vllm"``
+    and ``SamplingSpec.vllm_sampling_params`` sets every penalty and cutoff explicitly (without the first alone this
+    still passes: measured)."""
+    import shutil
+
+    from crl.trainer import Trainer
+
+    leaky = tmp_path / "leaky"
+    shutil.copytree(ckpt, leaky)
+    path = leaky / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "top_k": 5, "do_sample": True}))
+    trainer = Trainer(load_config(ROOT / "configs/default.yaml", [f"run_dir={tmp_path / 'run'}", f"model.preset={leaky}", *VLLM,
+                                                                    "warm_start.steps=20", "train.iterations=1", "eval.every=0"]))
+    try:
+        rollout = trainer.collect()
+        assert learner_gap(trainer, rollout) < TOL
+        trainer.update_policy(trainer.compute_advantages(rollout), 0)
+        m = trainer.ppo.step_log["metrics"]
+        assert abs(m["policy/approx_kl"][0]) < TOL and m["policy/clip_fraction"][0] == 0, m["policy/approx_kl"]
+    finally:
+        trainer.close()
+
+
 def test_zero3_samples_through_one_engine_per_rank(ckpt, tmp_path):
     """DeepSpeed ZeRO-3 on 2 CPU ranks with model.backend=vllm: each rank's engine (its own core) gets the weights
     gathered one module at a time; episodes, losses, the audit; the first minibatch's approx_kl is ~0 on both ranks."""
