@@ -175,29 +175,13 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
         engine.close()
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (read from /proc)."""
-    parent = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(stat.parent.name)] = int(fields[1])
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
 def test_a_dead_engine_ends_the_run_with_the_checkpoint_to_resume_from(ckpt, tmp_path):
     """Issue 27 defect 6: the vLLM engine's process is SIGKILLed mid-run (after the first checkpoint). The run ends
     within a bounded time (no hang) with one line naming the cause and the checkpoint to resume from, no traceback."""
     import signal
     import time
+
+    import psutil
 
     run = tmp_path / "run"
     cmd = [sys.executable, "scripts/train.py", f"run_dir={run}", f"model.preset={ckpt}", *VLLM, "warm_start.steps=10",
@@ -209,10 +193,10 @@ def test_a_dead_engine_ends_the_run_with_the_checkpoint_to_resume_from(ckpt, tmp
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no checkpoint within 600 s"
             time.sleep(1)
-        engines = [p for p in descendants(proc.pid) if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
         assert engines, "no vLLM EngineCore process below the trainer"
-        for pid in engines:
-            os.kill(pid, signal.SIGKILL)
+        for engine in engines:
+            engine.send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
