@@ -5,12 +5,12 @@
 * the vLLM backend writes each machine's weight syncs into that machine's own directory (``vllm.weights_dir``, two
   directories standing for two machines' /dev/shm) and each engine reads its own: PPO's first minibatch after every
   sync has approx_kl ~ 0 on both;
-* a worker killed mid-iteration under torchrun's elastic restarts (c10d rendezvous, ``--max-restarts``): the group
-  comes back from the newest intact checkpoint, every iteration is logged exactly once, audit PASS;
+* a worker killed mid-iteration under torchrun's elastic restarts (c10d rendezvous, ``--max-restarts``, launched by
+  torchrun or by accelerate with ZeRO-2): the group comes back from the newest intact checkpoint, every iteration is
+  logged exactly once, audit PASS; restarts over torchrun's shared store are refused at start;
 * the same without restarts, and a machine that hangs (SIGSTOP): the surviving machine ends within a bounded time
   (``train.dist_timeout_s``) with one line naming the checkpoint to resume from.
 """
-import os
 import signal
 import socket
 import subprocess
@@ -29,7 +29,7 @@ from test_multirank import ENV, TINY, audit, metrics
 pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH_TIMEOUT_S = 900
+LAUNCH_TIMEOUT_S = 600  # under pytest-timeout (900 s): a hang fails with both machines' logs
 
 
 def start(cmd, log) -> subprocess.Popen:
@@ -101,11 +101,16 @@ def wait_for(path: Path, procs, timeout=600) -> None:
         time.sleep(0.2)
 
 
-def accelerate_machine(rank: int, port: int, run, *overrides, zero: int = 2) -> list[str]:
-    """docs/cluster.md's command on machine ``rank`` (of 2), every machine at 127.0.0.1."""
+def accelerate_machine(rank: int, port: int, run, *overrides, zero: int = 2, restarts: int | None = None) -> list[str]:
+    """docs/cluster.md's command on machine ``rank`` (of 2), every machine at 127.0.0.1; with ``restarts`` torchrun's
+    elastic agent under accelerate (c10d rendezvous, ``--max_restarts``)."""
     ds = [] if zero == 2 else ["--deepspeed_config_file", "configs/deepspeed/zero3.json"]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2_2machines.yaml",
-            "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *ds,
+    env, elastic = [], []
+    if restarts is not None:
+        env = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]  # a store per round (crl.training.accelerator.check_elastic_store)
+        elastic = ["--rdzv_backend", "c10d", "--max_restarts", str(restarts), "--monitor_interval", "1"]
+    return [*env, sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2_2machines.yaml",
+            "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *ds, *elastic,
             "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}", *TINY, *overrides]
 
 
@@ -117,7 +122,9 @@ def torchrun_machine(rank: int, port: int, run, *overrides, restarts: int | None
     else:
         rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "crl-test", "--max-restarts", str(restarts),
                 "--monitor-interval", "1"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", *rdzv,
+    # restarts need a store per round (crl.training.accelerator.check_elastic_store): `env VAR=1 torchrun ...`
+    env = [] if restarts is None else ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+    return [*env, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", *rdzv,
             "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}", *TINY, *overrides]
 
 
@@ -166,16 +173,19 @@ def test_each_machine_syncs_vllm_weights_through_its_own_directory(tmp_path):
     audit(run)
 
 
-def test_a_killed_worker_is_restarted_from_the_newest_checkpoint(tmp_path):
-    """torchrun's elastic restarts (c10d rendezvous, at most 3: on one loaded host a restarted round can itself lose
-    its rendezvous race and need another): machine 1's worker is killed (SIGKILL) right after iteration 2's
-    checkpoint; both machines restart their workers, which resume from the newest intact checkpoint and finish.
-    (accelerate's standard launcher + ZeRO-2 with --max_restarts passed once here and hung after the restart once:
-    not tested, docs/cluster.md.)"""
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate_zero2"])
+def test_a_killed_worker_is_restarted_from_the_newest_checkpoint(tmp_path, launcher):
+    """torchrun's elastic restarts (c10d rendezvous, its own store per round: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+    launched by torchrun (plain DDP) or by accelerate (DeepSpeed ZeRO-2): machine 1's worker is killed (SIGKILL) right
+    after iteration 2's checkpoint; both machines restart their workers, which resume from the newest intact
+    checkpoint and finish. (With torchrun's shared store the restarted workers hung in gloo's connectFullMesh in 3 of
+    7 runs of the torchrun form and 1 of 2 of the accelerate form: the previous round's addresses,
+    pytorch/pytorch#135712.)"""
     run, port = tmp_path / "run", free_port()
     logs = [tmp_path / f"machine{r}.log" for r in (0, 1)]
     common = ["train.iterations=5", "checkpoint.every=1"]
-    procs = start_machines([torchrun_machine(r, port, run, *common, restarts=3) for r in (0, 1)], logs, port)
+    machine = torchrun_machine if launcher == "torchrun" else accelerate_machine
+    procs = start_machines([machine(r, port, run, *common, restarts=3) for r in (0, 1)], logs, port)
     try:
         wait_for(run / "checkpoints" / "iter_000001", procs)
         worker_of(procs[1]).kill()
@@ -220,3 +230,20 @@ def test_without_restarts_the_survivor_names_the_checkpoint(tmp_path, fault):
     named = lines[0].split("the newest intact checkpoint is ")[1].split(":")[0]
     assert Path(named).parent == run / "checkpoints" and verify_checkpoint(named) is None, lines[0]
     assert f'"{ROOT}/crl/' not in outs[0] and 'train.py", line' not in outs[0], outs[0][-4000:]  # no traceback of ours
+
+
+def test_elastic_restarts_over_torchruns_shared_store_are_refused_at_start(monkeypatch):
+    """What torchrun exports to its workers decides: --max-restarts with the agent's shared store (the default) stops
+    in make_accelerator, before any process group, naming the variable; its own store per round, or no restarts, pass."""
+    from crl.config import ConfigValidationError, load_config
+    from crl.training.accelerator import check_elastic_store, make_accelerator
+
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for key, value in shared.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigValidationError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") as err:
+        make_accelerator(load_config("configs/default.yaml", []))
+    assert "--max-restarts 3" in str(err.value)
+    check_elastic_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    check_elastic_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})  # torchrun without --max-restarts
+    check_elastic_store({})  # not under torchrun

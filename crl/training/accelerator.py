@@ -24,7 +24,7 @@ import torch
 from crl.config import Config, ConfigValidationError
 from crl.objectives.distributed import all_reduce_sum, dist_ready
 
-__all__ = ["make_accelerator", "deepspeed_stage", "process_ranks", "reduce_stats", "mean_over_ranks", "mean_scalar_over_ranks",
+__all__ = ["make_accelerator", "check_elastic_store", "deepspeed_stage", "process_ranks", "reduce_stats", "mean_over_ranks", "mean_scalar_over_ranks",
            "max_min_over_ranks", "barrier", "peak_memory_mb", "optimizer_layout"]
 
 
@@ -36,6 +36,7 @@ def make_accelerator(cfg: Config):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
+    check_elastic_store()
     ds_file = cfg.deepspeed.config
     if ds_file is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         ds_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")  # `accelerate launch --use_deepspeed ...`
@@ -62,6 +63,23 @@ def make_accelerator(cfg: Config):
 
     unset_hf_deepspeed_config()  # accelerate registers the config with transformers, whose from_config would then zero.Init
     return accelerator, ds
+
+
+def check_elastic_store(environ=os.environ) -> None:
+    """Refuse torchrun's elastic restarts over its shared rendezvous store, before any process group exists.
+
+    torchrun (since torch 2.5) hands every worker the agent's own TCPStore and relies on the worker side to keep
+    rounds apart, which it does not: a restarted group's workers can read the previous round's gloo/NCCL addresses
+    and wait in ``init_process_group`` for peers that are gone (pytorch/pytorch#135712). Measured here: the killed-
+    worker test of tests/test_multinode.py hung in gloo's ``connectFullMesh`` on both machines' restarted workers in
+    2 of 5 runs. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes each round bootstrap a store of its own.
+    """
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigValidationError(
+            f"torchrun --max-restarts {restarts} with its shared rendezvous store: a restarted group can read the previous "
+            "round's addresses and hang at start-up (pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on "
+            "every machine before torchrun / accelerate launch (with --rdzv-backend c10d), or launch without restarts (docs/cluster.md)")
 
 
 def reduce_stats(stats: dict, device: torch.device | str = "cpu") -> dict:
