@@ -187,7 +187,8 @@ class WarmStartConfig:
     stop_answer_p: Optional[float] = None
     probe_every: int = 100  # steps between the stopping rule's probes
     # a directory shared by runs (ablation arms of one seed): the warm-started weights are stored under a hash of
-    # everything they depend on and reused by the next run with the same inputs; null: always recompute
+    # everything they depend on and reused by the next run with the same inputs (a warm start in progress also
+    # checkpoints itself there every probe_every steps, and a killed one continues from it); null: always recompute
     cache_dir: Optional[str] = None
 
 

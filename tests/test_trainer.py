@@ -277,6 +277,38 @@ def test_a_failed_warm_start_is_cached_and_the_next_arm_fails_at_once(tmp_path, 
     assert any("warm_start/answer_p_train" in r for r in lines) and strip(metrics(tmp_path / "frozen")) == lines
 
 
+def test_a_killed_warm_start_continues_from_its_checkpoint_bit_identically(tmp_path, capsys):
+    """warm_start.cache_dir: a warm start killed at step 5 of 7 (checkpoints every probe_every=3 steps) leaves
+    KEY.partial.pt at step 3; the next run with the same inputs replays the logged lines, plays only steps 3-6
+    (counted through the demonstrations built) and logs exactly what a never-interrupted run logs, RL included."""
+    import crl.warm_start
+
+    strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in recs]  # noqa: E731
+    cache, args = tmp_path / "cache", ["train.iterations=1", "warm_start.steps=7", "warm_start.probe_every=3"]
+    make(tmp_path / "straight", *args).fit()
+    real, built = crl.warm_start.demonstration_batch, []
+
+    def killed_at_step_5(*a, **k):
+        built.append(1)
+        if len(built) == 6:
+            raise KeyboardInterrupt  # what a kill looks like from here: nothing after this point runs
+        return real(*a, **k)
+
+    try:
+        crl.warm_start.demonstration_batch = killed_at_step_5
+        with pytest.raises(KeyboardInterrupt):
+            make(tmp_path / "killed", *args, f"warm_start.cache_dir={cache}").fit()
+        (partial,) = cache.glob("*.partial.pt")
+        built.clear()
+        crl.warm_start.demonstration_batch = lambda *a, **k: built.append(1) or real(*a, **k)
+        make(tmp_path / "continued", *args, f"warm_start.cache_dir={cache}").fit()
+    finally:
+        crl.warm_start.demonstration_batch = real
+    assert len(built) == 4 and "warm start: continued from step 3 of" in capsys.readouterr().out
+    assert strip(metrics(tmp_path / "continued")) == strip(metrics(tmp_path / "straight"))
+    assert not partial.exists() and [p.name for p in cache.iterdir() if p.is_dir()] == [partial.name.split(".")[0]]
+
+
 def test_warm_start_stopping_rule_and_format_content_through_the_trainer(tmp_path):
     """warm_start.stop_answer_p / probe_every / summary_content=format as a user sets them: a reachable threshold
     stops the warm start at the first probe (step 2 of at most 6), logged as warm_start/steps."""

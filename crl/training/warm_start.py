@@ -68,7 +68,7 @@ def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, z
     """The warm start computed by this process (every rank under ZeRO-3, rank 0 otherwise)."""
     w = cfg.warm_start
 
-    def compute(log):
+    def compute(log, resume=None, checkpoint=None):
         suites = [build_suite(cfg, stage) for stage in stages]  # every stage: every compaction point the run meets
         net, engine, step = CausalLMLogProbs(lm, cfg.model.temperature), None, None
         if zero3_config is not None:
@@ -94,6 +94,7 @@ def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, z
                 device=device if zero3_config is not None else next(lm.parameters()).device, prompt_format=prompt_format, optimizer_step=step,
                 stop_answer_p=w.stop_answer_p, probe_every=w.probe_every,
                 agree=(lambda x: mean_scalar_over_ranks(x, world, device)) if zero3_config is not None else None,
+                checkpoint=checkpoint, resume=resume,
             )
         finally:
             if engine is not None:
@@ -108,4 +109,5 @@ def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, z
     inputs = {k: config[k] for k in ("model", "env", "compaction", "prompt")}
     inputs.update(warm_start={k: v for k, v in config["warm_start"].items() if k != "cache_dir"}, seed=cfg.train.seed,
                   tasks=[None if stage is None else dataclasses.asdict(stage) for stage in stages], vocab_size=codec.vocab_size)
-    return warm_start_cached(Path(w.cache_dir), inputs, lm, compute, log, report=print if rank == 0 else None)
+    return warm_start_cached(Path(w.cache_dir), inputs, lm, compute, log, report=print if rank == 0 else None,
+                             resumable=zero3_config is None)  # a DeepSpeed engine's partitioned Adam is not ours to save
