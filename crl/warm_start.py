@@ -354,18 +354,18 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
                 report(f"warm start: reused {entry} (same model, task, warm-start settings and seed)")
             return float(state["nll"])
         partial, lines, resume = cache_dir / f"{key}.partial.pt", [], None
-        if resumable and partial.is_file():
-            saved = torch.load(partial, map_location="cpu", weights_only=True)
-            resume = saved["state"]
-            for metrics, step in saved["lines"]:
-                log(metrics, step)
-                lines.append((metrics, step))
-            if report is not None:
-                report(f"warm start: continued from step {resume['step']} of {partial} (same inputs, checkpointed by an earlier run)")
 
         def record(metrics: dict, step: int) -> None:
             lines.append((metrics, step))
             log(metrics, step)
+
+        if resumable and partial.is_file():
+            saved = torch.load(partial, map_location="cpu", weights_only=True)
+            resume = saved["state"]
+            for metrics, step in saved["lines"]:
+                record(metrics, step)
+            if report is not None:
+                report(f"warm start: continued from step {resume['step']} of {partial} (same inputs, checkpointed by an earlier run)")
 
         def checkpoint(state: dict) -> None:
             atomic_torch_save(partial, {"state": state, "lines": lines})

@@ -29,6 +29,8 @@ from test_multirank import ENV, TINY, audit, metrics
 pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
+#: elastic restarts need a store per rendezvous round (crl.training.accelerator.check_elastic_store): `env VAR=1 launcher`
+ELASTIC_ENV = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
 LAUNCH_TIMEOUT_S = 600  # under pytest-timeout (900 s): a hang fails with both machines' logs
 
 
@@ -107,7 +109,7 @@ def accelerate_machine(rank: int, port: int, run, *overrides, zero: int = 2, res
     ds = [] if zero == 2 else ["--deepspeed_config_file", "configs/deepspeed/zero3.json"]
     env, elastic = [], []
     if restarts is not None:
-        env = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]  # a store per round (crl.training.accelerator.check_elastic_store)
+        env = ELASTIC_ENV
         elastic = ["--rdzv_backend", "c10d", "--max_restarts", str(restarts), "--monitor_interval", "1"]
     return [*env, sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2_2machines.yaml",
             "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *ds, *elastic,
@@ -122,8 +124,7 @@ def torchrun_machine(rank: int, port: int, run, *overrides, restarts: int | None
     else:
         rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "crl-test", "--max-restarts", str(restarts),
                 "--monitor-interval", "1"]
-    # restarts need a store per round (crl.training.accelerator.check_elastic_store): `env VAR=1 torchrun ...`
-    env = [] if restarts is None else ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+    env = [] if restarts is None else ELASTIC_ENV
     return [*env, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", *rdzv,
             "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}", *TINY, *overrides]
 

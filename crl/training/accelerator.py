@@ -72,7 +72,7 @@ def check_elastic_store(environ=os.environ) -> None:
     rounds apart, which it does not: a restarted group's workers can read the previous round's gloo/NCCL addresses
     and wait in ``init_process_group`` for peers that are gone (pytorch/pytorch#135712). Measured here: the killed-
     worker test of tests/test_multinode.py hung in gloo's ``connectFullMesh`` on both machines' restarted workers in
-    2 of 5 runs. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes each round bootstrap a store of its own.
+    3 of 7 runs. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes each round bootstrap a store of its own.
     """
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
