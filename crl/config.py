@@ -186,6 +186,9 @@ class WarmStartConfig:
     # the maximum. null: exactly `steps` steps
     stop_answer_p: Optional[float] = None
     probe_every: int = 100  # steps between the stopping rule's probes
+    # tasks each answer probe plays (the stopping rule's and the final visible/summary probes): a probe is one
+    # teacher-forced forward over a whole oracle episode per task, ~1/3 of a 135M model's warm start on CPU at 40
+    probe_tasks: int = 40
     # a directory shared by runs (ablation arms of one seed): the warm-started weights are stored under a hash of
     # everything they depend on and reused by the next run with the same inputs (a warm start in progress also
     # checkpoints itself there every probe_every steps, and a killed one continues from it); null: always recompute
@@ -467,6 +470,7 @@ def validate(cfg: Config) -> None:
     _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
     _need(cfg.warm_start.stop_answer_p is None or 0 < cfg.warm_start.stop_answer_p <= 1, "warm_start.stop_answer_p", "a probability in (0, 1], or null")
     _need(cfg.warm_start.probe_every >= 1, "warm_start.probe_every", ">= 1")
+    _need(cfg.warm_start.probe_tasks >= 1, "warm_start.probe_tasks", ">= 1")
     v = cfg.vllm
     _need(v.max_model_len is None or v.max_model_len >= c.context_capacity, "vllm.max_model_len",
           f"{v.max_model_len} is below compaction.context_capacity={c.context_capacity}: contexts up to C tokens must fit (or null)")

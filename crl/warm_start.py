@@ -199,6 +199,7 @@ def warm_start(
     optimizer_step: Callable[[torch.Tensor], None] | None = None,
     stop_answer_p: float | None = None,
     probe_every: int = 100,
+    probe_tasks: int = 40,
     agree: Callable[[float], float] | None = None,
     checkpoint: Callable[[dict], None] | None = None,
     resume: dict | None = None,
@@ -219,7 +220,8 @@ def warm_start(
     a local ``torch.optim.Adam``.
 
     ``stop_answer_p``: a reading-skill stopping rule. Every ``probe_every`` steps the answer probe runs on the
-    last stage with compaction, on 40 *train* tasks (dev stays unseen), logged as ``warm_start/answer_p_train``;
+    last stage with compaction, on the first ``probe_tasks`` *train* tasks (dev stays unseen; every probe plays
+    ``probe_tasks`` tasks, 40 by default), logged as ``warm_start/answer_p_train``;
     the warm start stops as soon as it reaches ``stop_answer_p`` (``steps`` is then the maximum). Why: reading is
     learned in a sudden drop of the NLL (from ~0.08, the answer digit at chance, to ~0.003) that came after
     ~420, ~520 and > 600 steps on the study's seeds 7, 17 and 29 at lr 1e-3 — a fixed step count fits one seed.
@@ -273,7 +275,7 @@ def warm_start(
         line, stop = ({"warm_start/nll": loss.item()} if step % 10 == 0 else {}), False
         if stop_answer_p is not None and (step + 1) % probe_every == 0 and step != steps - 1:
             (suite, _), (_, compacting) = stages[-1], engines[-1]
-            p = answer_probability(actor_module, suite, compacting, encode, eos_id, device=device, split="train")
+            p = answer_probability(actor_module, suite, compacting, encode, eos_id, n_tasks=probe_tasks, device=device, split="train")
             line["warm_start/answer_p_train"] = agree(p) if agree is not None else p
             stop = line["warm_start/answer_p_train"] >= stop_answer_p
         if log is not None and line and step != steps - 1:  # the last step's line is the final one below
@@ -289,12 +291,12 @@ def warm_start(
     (suite, _), (plain, compacting) = stages[-1], engines[-1]  # the last stage's two engines: without and with compaction
     final = {}
     if stop_answer_p is not None and steps > 0 and not stop:  # the step limit: the rule's probe once more, on the last weights
-        p = answer_probability(actor_module, suite, compacting, encode, eos_id, device=device, split="train")
+        p = answer_probability(actor_module, suite, compacting, encode, eos_id, n_tasks=probe_tasks, device=device, split="train")
         final["warm_start/answer_p_train"] = agree(p) if agree is not None else p
     if log is not None and steps > 0:
         log({"warm_start/nll": loss.item(), **({"warm_start/steps": step + 1} if stop_answer_p is not None else {}), **final,
-             "warm_start/answer_p_visible": answer_probability(actor_module, suite, plain, encode, eos_id, device=device),
-             "warm_start/answer_p_summary": answer_probability(actor_module, suite, compacting, encode, eos_id, device=device)}, -1)
+             "warm_start/answer_p_visible": answer_probability(actor_module, suite, plain, encode, eos_id, n_tasks=probe_tasks, device=device),
+             "warm_start/answer_p_summary": answer_probability(actor_module, suite, compacting, encode, eos_id, n_tasks=probe_tasks, device=device)}, -1)
     if final and final["warm_start/answer_p_train"] < stop_answer_p:
         raise WarmStartError(
             f"the warm start did not teach reading: after {steps} steps (warm_start.steps) the answer probe is "

@@ -161,6 +161,7 @@ def test_paper_config_loads():
         ("train.micro_batches=0", "train.micro_batches"),
         ("warm_start.stop_answer_p=1.5", "warm_start.stop_answer_p"),
         ("warm_start.probe_every=0", "warm_start.probe_every"),
+        ("warm_start.probe_tasks=0", "warm_start.probe_tasks"),
         ("warm_start.summary_content=correct", "warm_start.summary_content"),
         ("vllm.dtype=float8", "vllm.dtype"),
         ("vllm.max_model_len=100", "vllm.max_model_len"),

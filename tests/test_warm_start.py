@@ -184,6 +184,37 @@ def test_stopping_rule_ends_the_warm_start_when_the_probe_reads():
     assert full[-1][1]["warm_start/steps"] == 12 and 0 < full[-1][1]["warm_start/answer_p_summary"] < 1
 
 
+def test_every_probe_plays_probe_tasks_tasks(monkeypatch):
+    """``probe_tasks`` bounds each answer probe: the stopping rule's and the step limit's probes on the train split
+    (20 tasks here) play exactly 3, the final visible/summary probes on dev play its 2 (fewer than asked); with the
+    default (40) the train probes would play all 20. Counted at the suite the probes build their episodes from."""
+    import crl.warm_start as ws
+
+    played, real = [], ws.answer_probability
+
+    def counting(actor, suite, engine, *args, **kwargs):
+        made = []
+
+        class Counting:
+            tasks = suite.tasks
+
+            def make_env(self, task):
+                made.append(task)
+                return suite.make_env(task)
+
+        p = real(actor, Counting(), engine, *args, **kwargs)
+        played.append(len(made))
+        return p
+
+    monkeypatch.setattr(ws, "answer_probability", counting)
+    lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+    actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    with pytest.raises(WarmStartError):
+        warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=6, batch_episodes=2, lr=3e-3, seed=0, progress=False,
+                   stop_answer_p=1.0, probe_every=5, probe_tasks=3, log=lambda line, step: None)
+    assert played == [3, 3, 2, 2]
+
+
 def test_balanced_content_adds_the_batch_imbalance_of_the_codes():
     """``balanced``: the same alternatives as ``format``, and the loss adds ``KL(u || m)``, ``m`` the batch mean of each
     slot's distribution within its allowed codes — checked against a plain loop over the raw LM's softmax; zero for a
