@@ -186,8 +186,8 @@ class WarmStartConfig:
     # the maximum. null: exactly `steps` steps
     stop_answer_p: Optional[float] = None
     probe_every: int = 100  # steps between the stopping rule's probes
-    # tasks each answer probe plays (the stopping rule's and the final visible/summary probes): a probe is one
-    # teacher-forced forward over a whole oracle episode per task, ~1/3 of a 135M model's warm start on CPU at 40
+    # tasks each answer probe plays (the stopping rule's and the final visible/summary probes), one teacher-forced
+    # forward over a whole oracle episode each: at 40, a third of a one-iteration SmolLM2-135M run on one CPU thread
     probe_tasks: int = 40
     # a directory shared by runs (ablation arms of one seed): the warm-started weights are stored under a hash of
     # everything they depend on and reused by the next run with the same inputs (a warm start in progress also

@@ -220,8 +220,8 @@ def warm_start(
     a local ``torch.optim.Adam``.
 
     ``stop_answer_p``: a reading-skill stopping rule. Every ``probe_every`` steps the answer probe runs on the
-    last stage with compaction, on the first ``probe_tasks`` *train* tasks (dev stays unseen; every probe plays
-    ``probe_tasks`` tasks, 40 by default), logged as ``warm_start/answer_p_train``;
+    last stage with compaction, on the first ``probe_tasks`` *train* tasks (dev stays unseen; the final visible and
+    summary probes play the first ``probe_tasks`` dev tasks), logged as ``warm_start/answer_p_train``;
     the warm start stops as soon as it reaches ``stop_answer_p`` (``steps`` is then the maximum). Why: reading is
     learned in a sudden drop of the NLL (from ~0.08, the answer digit at chance, to ~0.003) that came after
     ~420, ~520 and > 600 steps on the study's seeds 7, 17 and 29 at lr 1e-3 — a fixed step count fits one seed.
