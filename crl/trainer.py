@@ -304,6 +304,8 @@ class Trainer:
         # every rank's micro-batches, not rank 0's alone
         log.update(mean_over_ranks({k: v for k, v in self.ppo.step_log["metrics"].items() if not k.split("/")[-1].startswith(("sum_", "num_"))},
                                    self.device))
+        if "prompt_tokens_reused" in self.collector.last_stats:  # the chat collector's per-episode prefix cache
+            log["perf/prompt_tokens_reused"] = self.collector.last_stats["prompt_tokens_reused"]
         if not self.update_skipped:  # no update, no sync: no value (it repeated the previous iteration's)
             log["perf/sync_s"] = self.sampler.sync_seconds
         if "policy_steps" in self.ppo.step_log:

@@ -157,6 +157,46 @@ def test_rescored_log_probs_give_ratio_one_and_summary_gradients(rollout, tok, l
     lm.zero_grad()
 
 
+def test_the_episode_prefix_cache_runs_only_new_prompt_tokens_and_samples_the_same_episode(tok, lm, monkeypatch):
+    """crl.torchrl_llm.prefix_cache under TorchRL's wrapper: the same seed plays the same episode (same tokens, same
+    re-scored log-probs) with and without the cache, and with it each generate call's first forward (its prefill)
+    runs exactly the prompt tokens the previous call's cache did not hold -- computed here from the rollout's own
+    prompts and sampled ids: the longest common prefix with the previous call's prompt + all but its last sampled
+    token (leaving at least one prompt token to run). Without the cache every prefill is the whole prompt."""
+    from crl.torchrl_llm.prefix_cache import EpisodePrefixCache
+
+    calls = []  # per generate call: the input length of every forward it made
+    plain_generate = type(lm).generate
+    monkeypatch.setattr(type(lm), "generate", lambda self, *a, **kw: (calls.append([]), plain_generate(self, *a, **kw))[1])
+    hook = lm.register_forward_pre_hook(lambda mod, args, kw: calls[-1].append(int(kw["input_ids"].shape[1])), with_kwargs=True)
+    try:
+        plain = play(make_env(tok), wrapper(lm, tok), seed=4)
+        calls_plain, calls[:] = list(calls), []
+        with EpisodePrefixCache(lm) as prefix:
+            cached = play(make_env(tok), wrapper(lm, tok), seed=4)
+    finally:
+        hook.remove()
+    assert "generate" not in lm.__dict__  # the class's generate is back
+    full = [cached[i]["tokens", "full"].reshape(-1).tolist() for i in range(cached.shape[0])]
+    assert full == [plain[i]["tokens", "full"].reshape(-1).tolist() for i in range(plain.shape[0])]
+    assert torch.equal(to_episodes(cached, actor_module(lm), vocab_size=len(tok))["sample_log_prob"],
+                       to_episodes(plain, actor_module(lm), vocab_size=len(tok))["sample_log_prob"])
+    prompts = [cached[i]["tokens", "prompt"].reshape(-1).tolist() for i in range(cached.shape[0])]
+    assert len(calls) == len(calls_plain) == len(prompts) and [c[0] for c in calls_plain] == [len(p) for p in prompts]
+    want, held, reused = [], [], 0
+    for prompt, row, forwards in zip(prompts, full, calls):
+        assert forwards[1:] == [1] * (len(forwards) - 1)  # one token per decoding step
+        n = 0
+        while n < min(len(held), len(prompt) - 1) and held[n] == prompt[n]:
+            n += 1
+        want.append(len(prompt) - n)
+        reused += n
+        held = row[: len(prompt) + len(forwards) - 1]  # every token fed: the prompt and all sampled ids but the last
+    assert [c[0] for c in calls] == want
+    assert (prefix.calls, prefix.reused_tokens, prefix.prompt_tokens) == (len(prompts), reused, sum(map(len, prompts)))
+    assert reused > 0.5 * sum(map(len, prompts)), (reused, sum(map(len, prompts)))  # most of each turn's prompt was already run
+
+
 def test_a_correct_final_answer_completes_with_reward_one(tok, lm):
     class Scripted:  # a policy that answers at once, through the same wrapper output keys
         def __init__(self, inner):
@@ -320,6 +360,8 @@ def test_trainer_trains_a_chat_env_suite_through_train_py_and_audits_pass(tmp_pa
     assert "UNSANDBOXED" in out.stderr  # tools.sandbox=none warns on every start
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("episode/compactions", 0) for r in rows) > 0
+    reuse = [r["perf/prompt_tokens_reused"] for r in rows if "perf/prompt_tokens_reused" in r]  # the prefix cache, wired in
+    assert reuse and all(0.5 < x < 1 for x in reuse), reuse
     audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:]
     # resume: one more iteration continues from the newest checkpoint with fresh rollout ids

@@ -4,7 +4,8 @@ The same surface as :class:`crl.collectors.CompactionCollector` — ``collect()`
 ``last_episodes`` / ``last_stats`` feed the metrics, ``state_dict()`` the checkpoint — but an episode is TorchRL's:
 a ``ChatEnv`` (one conversation) built by the user's suite with crl's :class:`~crl.torchrl_llm.CompactionTransform`
 in it, played by ``env.rollout`` with a ``TransformersWrapper`` over the trainer's own policy module (the weights
-the learner updates, so no weight sync), and turned into crl rows by :func:`~crl.torchrl_llm.to_episodes`, which
+the learner updates, so no weight sync; each episode's ``generate`` calls reuse the keys/values of the prefix the
+previous turn ran, :mod:`crl.torchrl_llm.prefix_cache`), and turned into crl rows by :func:`~crl.torchrl_llm.to_episodes`, which
 re-scores the behaviour log-probs with the trainer's actor at the sampling temperature.
 
 The suite (what ``env.factory`` returns, called with ``tokenizer=``, ``seed=`` and ``env.kwargs``)::
@@ -37,6 +38,7 @@ from crl.streams import stream_seed
 from crl.modules.models import actor_module
 from crl.sampling import SamplingSpec, seeded_torch_rng, warn_ignored_generation_keys
 from crl.torchrl_llm.convert import to_episodes
+from crl.torchrl_llm.prefix_cache import EpisodePrefixCache
 from crl.torchrl_llm.transform import CompactionTransform
 
 __all__ = ["ChatCollector", "check_chat_suite"]
@@ -100,6 +102,7 @@ class ChatCollector(EpisodeStream):
         self.stop_id = self.compaction_factory(0)().stop_id  # fail now, not mid-run: the transform checks the budget against the texts
         self.engine = self  # the trainer reads collector.engine.config.forced_steps (none here: compaction is by budget)
         self.episodes_started = 0
+        self._prompt_tokens = [0, 0]
         self.batches_yielded = 0
         self.last_episodes: list[EpisodeSummary] = []
         self.last_stats: dict = {}
@@ -127,10 +130,12 @@ class ChatCollector(EpisodeStream):
         try:
             cap = (self.config.max_steps or 10_000) * 2 + 2 * self.config.max_compactions + 2  # rollout's own step cap: never reached
             with (seeded_torch_rng(stream_seed(self.sampler_seed, "chat", self.rank, n), next(self.lm.parameters()).device),
-                  set_list_to_stack(True), self.sampling.applied_to(self.lm)):
+                  set_list_to_stack(True), self.sampling.applied_to(self.lm), EpisodePrefixCache(self.lm) as prefix):
                 reset = env.reset(TensorDict(query=[self.suite.query(task)], batch_size=(1,)))
                 with torch.no_grad():
                     rows = env.rollout(cap, self.policy, tensordict=reset, auto_reset=False, break_when_any_done=True)
+            self._prompt_tokens[0] += prefix.prompt_tokens
+            self._prompt_tokens[1] += prefix.reused_tokens
         finally:
             env.close(raise_if_closed=False)
         return rows.reshape(-1)
@@ -181,6 +186,7 @@ class ChatCollector(EpisodeStream):
         self.lm.eval()
         episodes, self.last_episodes = [], []
         generated = {"action": 0, "summary": 0}
+        self._prompt_tokens = [0, 0]  # given to generate, of which reused from the episode's prefix cache
         bar = tqdm(total=self.episodes_per_batch, desc=f"chat episodes ({self.split})", disable=not self.progress, leave=False)
         try:
             for _ in range(self.episodes_per_batch):
@@ -223,6 +229,7 @@ class ChatCollector(EpisodeStream):
         self.last_stats = {
             "episodes": n_done, "generated_action_tokens": generated["action"], "generated_summary_tokens": generated["summary"],
             "seconds": elapsed, "episodes_per_s": n_done / elapsed, "generated_tokens_per_s": (generated["action"] + generated["summary"]) / elapsed,
+            "prompt_tokens_reused": self._prompt_tokens[1] / max(self._prompt_tokens[0], 1),
         }
         return batch
 
