@@ -4,7 +4,7 @@ TorchRL's ``TransformersWrapper`` (``input_mode="history"``) renders and tokeniz
 and calls the model's ``generate`` on all of it. The history grows by one reply and one tool answer per turn, so
 without reuse every turn runs the whole context through the model again: turn t costs O(|h_t|) prefill, an episode
 O(sum_t |h_t|) ~ O(T^2). SmolLM2-135M on one CPU thread prefills ~4 ms/token; a 700-token history is 2.7 s of
-the 6.2 s a 64-token reply takes (measured, see docs/hardware.md). crl's own
+the 6.2 s a 64-token reply takes (measured on the 2-core AMD EPYC of docs/hardware.md). crl's own
 :class:`crl.modules.generation.TransformersBackend` keeps a per-episode cache for the same reason (``cache_keys``);
 this is the chat path's.
 
