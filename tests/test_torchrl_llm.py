@@ -195,6 +195,14 @@ def test_the_episode_prefix_cache_runs_only_new_prompt_tokens_and_samples_the_sa
     assert [c[0] for c in calls] == want
     assert (prefix.calls, prefix.reused_tokens, prefix.prompt_tokens) == (len(prompts), reused, sum(map(len, prompts)))
     assert reused > 0.5 * sum(map(len, prompts)), (reused, sum(map(len, prompts)))  # most of each turn's prompt was already run
+    # anything but one unpadded row (here two rows, the prompt positional) is plain generate, called as it was called
+    two = torch.tensor([prompts[1][:40], prompts[2][:40]])
+    gen = dict(max_new_tokens=5, do_sample=True, top_k=len(tok), pad_token_id=0)
+    with EpisodePrefixCache(lm) as other:
+        torch.manual_seed(9)
+        inside = lm.generate(two, **gen)
+    torch.manual_seed(9)
+    assert torch.equal(inside, lm.generate(two, **gen)) and other.calls == 0
 
 
 def test_a_correct_final_answer_completes_with_reward_one(tok, lm):

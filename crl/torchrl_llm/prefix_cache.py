@@ -67,19 +67,22 @@ class EpisodePrefixCache:
             self.lm.generate = self._saved
         self._tokens, self._cache = [], None  # the only memory an episode leaves behind
 
-    def _generate(self, input_ids=None, attention_mask=None, **kwargs):
-        plain = (input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or kwargs.get("use_cache") is False
+    def _generate(self, inputs=None, *args, **kwargs):
+        """transformers' ``generate(inputs=None, generation_config=None, ..., **kwargs)``, called as it was called."""
+        input_ids = kwargs.get("input_ids", inputs)
+        attention_mask = kwargs.get("attention_mask")
+        plain = (args or input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or kwargs.get("use_cache") is False
                  or kwargs.get("past_key_values") is not None
                  or (attention_mask is not None and not bool(attention_mask.all())))
         if plain:
             self._tokens, self._cache = [], None
-            return self._generate_plain(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            return self._generate_plain(inputs, *args, **kwargs)
         prompt = input_ids[0].tolist()
         reuse = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
         cache = self._cache if reuse > 0 and hasattr(self._cache, "crop") else None
         if cache is not None and reuse < len(self._tokens):
             cache.crop(reuse - len(self._tokens))  # a negative count removes that many tokens from the end
-        out = self._generate_plain(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+        out = self._generate_plain(inputs, past_key_values=cache, **kwargs)
         self.calls += 1
         self.prompt_tokens += len(prompt)
         self.reused_tokens += reuse if cache is not None else 0
