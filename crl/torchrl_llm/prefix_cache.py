@@ -30,16 +30,6 @@ from __future__ import annotations
 _MISSING = object()
 
 
-def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two token-id sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class EpisodePrefixCache:
     """Context manager: inside it, ``lm.generate`` reuses the previous call's keys/values (see the module docstring).
 
@@ -78,7 +68,8 @@ class EpisodePrefixCache:
             self._tokens, self._cache = [], None
             return self._generate_plain(inputs, *args, **kwargs)
         prompt = input_ids[0].tolist()
-        reuse = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
+        reuse = next((i for i, (x, y) in enumerate(zip(self._tokens, prompt)) if x != y), min(len(self._tokens), len(prompt)))
+        reuse = min(reuse, len(prompt) - 1)  # the longest common prefix, leaving one prompt token to run
         cache = self._cache if reuse > 0 and hasattr(self._cache, "crop") else None
         if cache is not None and reuse < len(self._tokens):
             cache.crop(reuse - len(self._tokens))  # a negative count removes that many tokens from the end
