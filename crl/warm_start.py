@@ -246,6 +246,15 @@ def warm_start(
          CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format)]
         for _, compaction in stages
     ]
+    (suite, _), (plain, compacting) = stages[-1], engines[-1]  # the last stage's two engines: without and with compaction
+
+    def probe(engine, split="dev"):  # the answer probe on the last stage: probe_tasks tasks of split
+        return answer_probability(actor_module, suite, engine, encode, eos_id, n_tasks=probe_tasks, device=device, split=split)
+
+    def reading_probe():  # the stopping rule's: train tasks read through a summary, one value agreed by every rank
+        p = probe(compacting, "train")
+        return agree(p) if agree is not None else p
+
     opt = None
     if optimizer_step is None:
         opt = torch.optim.Adam([p for p in actor_module.parameters() if p.requires_grad], lr=lr)
@@ -274,9 +283,7 @@ def warm_start(
         bar.set_postfix(nll=f"{loss.item():.3f}")
         line, stop = ({"warm_start/nll": loss.item()} if step % 10 == 0 else {}), False
         if stop_answer_p is not None and (step + 1) % probe_every == 0 and step != steps - 1:
-            (suite, _), (_, compacting) = stages[-1], engines[-1]
-            p = answer_probability(actor_module, suite, compacting, encode, eos_id, n_tasks=probe_tasks, device=device, split="train")
-            line["warm_start/answer_p_train"] = agree(p) if agree is not None else p
+            line["warm_start/answer_p_train"] = reading_probe()
             stop = line["warm_start/answer_p_train"] >= stop_answer_p
         if log is not None and line and step != steps - 1:  # the last step's line is the final one below
             log(line, step - steps)
@@ -288,15 +295,12 @@ def warm_start(
                         "optimizer": copy.deepcopy(opt.state_dict())})
     if opt is not None:
         opt.zero_grad(set_to_none=True)
-    (suite, _), (plain, compacting) = stages[-1], engines[-1]  # the last stage's two engines: without and with compaction
     final = {}
     if stop_answer_p is not None and steps > 0 and not stop:  # the step limit: the rule's probe once more, on the last weights
-        p = answer_probability(actor_module, suite, compacting, encode, eos_id, n_tasks=probe_tasks, device=device, split="train")
-        final["warm_start/answer_p_train"] = agree(p) if agree is not None else p
+        final["warm_start/answer_p_train"] = reading_probe()
     if log is not None and steps > 0:
         log({"warm_start/nll": loss.item(), **({"warm_start/steps": step + 1} if stop_answer_p is not None else {}), **final,
-             "warm_start/answer_p_visible": answer_probability(actor_module, suite, plain, encode, eos_id, n_tasks=probe_tasks, device=device),
-             "warm_start/answer_p_summary": answer_probability(actor_module, suite, compacting, encode, eos_id, n_tasks=probe_tasks, device=device)}, -1)
+             "warm_start/answer_p_visible": probe(plain), "warm_start/answer_p_summary": probe(compacting)}, -1)
     if final and final["warm_start/answer_p_train"] < stop_answer_p:
         raise WarmStartError(
             f"the warm start did not teach reading: after {steps} steps (warm_start.steps) the answer probe is "

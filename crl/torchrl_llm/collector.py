@@ -102,7 +102,7 @@ class ChatCollector(EpisodeStream):
         self.stop_id = self.compaction_factory(0)().stop_id  # fail now, not mid-run: the transform checks the budget against the texts
         self.engine = self  # the trainer reads collector.engine.config.forced_steps (none here: compaction is by budget)
         self.episodes_started = 0
-        self._prompt_tokens = [0, 0]
+        self._prompt_tokens = self._reused_tokens = 0  # this batch's: given to generate, of which from the prefix cache
         self.batches_yielded = 0
         self.last_episodes: list[EpisodeSummary] = []
         self.last_stats: dict = {}
@@ -134,8 +134,8 @@ class ChatCollector(EpisodeStream):
                 reset = env.reset(TensorDict(query=[self.suite.query(task)], batch_size=(1,)))
                 with torch.no_grad():
                     rows = env.rollout(cap, self.policy, tensordict=reset, auto_reset=False, break_when_any_done=True)
-            self._prompt_tokens[0] += prefix.prompt_tokens
-            self._prompt_tokens[1] += prefix.reused_tokens
+            self._prompt_tokens += prefix.prompt_tokens
+            self._reused_tokens += prefix.reused_tokens
         finally:
             env.close(raise_if_closed=False)
         return rows.reshape(-1)
@@ -186,7 +186,7 @@ class ChatCollector(EpisodeStream):
         self.lm.eval()
         episodes, self.last_episodes = [], []
         generated = {"action": 0, "summary": 0}
-        self._prompt_tokens = [0, 0]  # given to generate, of which reused from the episode's prefix cache
+        self._prompt_tokens = self._reused_tokens = 0
         bar = tqdm(total=self.episodes_per_batch, desc=f"chat episodes ({self.split})", disable=not self.progress, leave=False)
         try:
             for _ in range(self.episodes_per_batch):
@@ -229,7 +229,7 @@ class ChatCollector(EpisodeStream):
         self.last_stats = {
             "episodes": n_done, "generated_action_tokens": generated["action"], "generated_summary_tokens": generated["summary"],
             "seconds": elapsed, "episodes_per_s": n_done / elapsed, "generated_tokens_per_s": (generated["action"] + generated["summary"]) / elapsed,
-            "prompt_tokens_reused": self._prompt_tokens[1] / max(self._prompt_tokens[0], 1),
+            "prompt_tokens_reused": self._reused_tokens / max(self._prompt_tokens, 1),
         }
         return batch
 
