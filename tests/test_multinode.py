@@ -1,7 +1,8 @@
 """More than one machine, launched as docs/cluster.md says, with every "machine" on 127.0.0.1 (one process each):
 
 * accelerate's ``standard`` multi-node launcher (configs/accelerate/cpu_zero2_2machines.yaml) trains under ZeRO-2 and
-  ZeRO-3: audit PASS, rollout ids disjoint across the machines;
+  ZeRO-3: audit PASS, rollout ids disjoint across the machines, and the same run on one machine (2 processes),
+  interrupted and resumed, computes the same iteration (DeepSpeed's resume);
 * the vLLM backend writes each machine's weight syncs into that machine's own directory (``vllm.weights_dir``, two
   directories standing for two machines' /dev/shm) and each engine reads its own: PPO's first minibatch after every
   sync has approx_kl ~ 0 on both;
@@ -11,6 +12,7 @@
 * the same without restarts, and a machine that hangs (SIGSTOP): the surviving machine ends within a bounded time
   (``train.dist_timeout_s``) with one line naming the checkpoint to resume from.
 """
+import json
 import signal
 import socket
 import subprocess
@@ -24,7 +26,7 @@ import pytest
 from _gloo import free_port
 from crl.episode import load_episodes
 from crl.run_dir import verify_checkpoint
-from test_multirank import ENV, TINY, audit, metrics
+from test_multirank import ENV, TINY, audit, launch, metrics
 
 pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
 
@@ -134,18 +136,55 @@ def rollout_ids(run, iteration: int, rank: int) -> set:
     return set(load_episodes(ev / "rollout.pt")["rollout_id"].tolist())
 
 
+def two_ranks_shared_the_work(run_dir):
+    """Each iteration's evidence: the two ranks' episodes are disjoint, both ran at world size 2, and every
+    optimizer step's loss was divided by the optimized tokens of BOTH ranks (DeepSpeed averages gradients over the
+    ranks, so each rank scales its summed loss by 2)."""
+    for it in ("iter_000000", "iter_000001"):
+        ranks = [run_dir / "evidence" / it / f"rank_{r}" for r in (0, 1)]
+        ids = [set(load_episodes(r / "rollout.pt")["rollout_id"].tolist()) for r in ranks]
+        assert ids[0] and ids[1] and not ids[0] & ids[1], "the two ranks' episodes must be disjoint"
+        metas = [json.loads((r / "meta.json").read_text()) for r in ranks]
+        assert all(m["world_size"] == 2 for m in metas)
+        total = sum(m["local_optimized_tokens"] for m in metas)
+        for m in metas:
+            steps = m["normalizers"]["critic"]
+            assert steps and all(n["num_tokens"] == total and n["grad_scale"] == 2 for n in steps), steps
+
+
 @pytest.mark.parametrize("zero", [2, 3])
-def test_two_machines_train_with_deepspeed(tmp_path, zero):
-    run, port = tmp_path / "run", free_port()
+def test_two_machines_train_with_deepspeed_and_equal_a_resumed_run_on_one(tmp_path, zero):
+    """ZeRO-2 / ZeRO-3, 2 ranks (the CI's end-to-end DeepSpeed check). Two machines x one process, docs/cluster.md's
+    command, 2 iterations: the machines share the work (:func:`two_ranks_shared_the_work`: rollout ids disjoint
+    across them, loss normalised by both ranks' tokens), every iteration logged once, audit PASS. Then the same run
+    on ONE machine x 2 processes (``accelerate launch --num_processes 2``), stopped after 1 iteration and resumed to
+    2: the checkpoint holds each model once plus each rank's ZeRO optimizer partition; the resumed iteration samples
+    the same episodes and computes the same losses and gradient norms as the two machines did (float tolerance: a
+    fresh engine, and DeepSpeed's shared-memory all-reduce on one machine against gloo's across two, may sum in
+    another order)."""
+    straight, split, port = tmp_path / "straight", tmp_path / "split", free_port()
     logs = [tmp_path / f"machine{r}.log" for r in (0, 1)]
-    procs = start_machines([accelerate_machine(r, port, run, "train.iterations=2", zero=zero) for r in (0, 1)], logs, port)
+    procs = start_machines([accelerate_machine(r, port, straight, "train.iterations=2", zero=zero) for r in (0, 1)], logs, port)
     outs = finish(procs, logs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-4000:] for o in outs)
-    for it in (0, 1):
-        first, second = rollout_ids(run, it, 0), rollout_ids(run, it, 1)
-        assert first and second and not first & second, (it, first, second)
-    assert [r["step"] for r in metrics(run) if r["step"] > 0] == [1, 2]
-    audit(run)
+    two_ranks_shared_the_work(straight)
+    assert [r["step"] for r in metrics(straight) if r["step"] > 0] == [1, 2]
+    audit(straight)
+    launch(2, split, "train.iterations=1", deepspeed=zero)
+    ckpt = split / "checkpoints" / "iter_000000"
+    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    assert [f for f in files if f.startswith("optimizer/")] == [f"optimizer/{m}_rank{r}.pt" for m in ("actor", "critic") for r in (0, 1)]
+    assert sum(f.endswith(".safetensors") for f in files) == 2  # policy/model.safetensors + critic.safetensors: each model once
+    resumed = launch(2, split, "train.iterations=2", deepspeed=zero)
+    assert "resumed from" in resumed.stdout
+    a, b = metrics(straight)[-1], metrics(split)[-1]
+    assert a["step"] == b["step"] == 2 and a.keys() == b.keys()
+    for k in a:
+        if k.startswith(("train/", "episode/", "tokens/", "dev/")):
+            assert a[k] == b[k], k  # the same episodes
+        elif not k.startswith("perf/"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    audit(split)
 
 
 def test_each_machine_syncs_vllm_weights_through_its_own_directory(tmp_path):

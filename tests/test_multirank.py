@@ -1,7 +1,8 @@
 """More than one process, as users launch them (torchrun for DDP, accelerate launch for DeepSpeed, 2 gloo ranks on
 the CPU): resume with another world size (continued with a whole optimizer state, refused with a ZeRO-partitioned
-one), DeepSpeed resume equal to an uninterrupted run, the warm start computed once and identical on every rank, and
-its stopping rule agreed across ranks under ZeRO-3."""
+one), the warm start computed once and identical on every rank, and its stopping rule agreed across ranks under
+ZeRO-3. A DeepSpeed resume equal to an uninterrupted run: tests/test_multinode.py (its uninterrupted run is the
+two-machine one)."""
 import json
 import os
 import subprocess
@@ -99,49 +100,6 @@ def test_deepspeed_resume_with_another_world_size_is_refused(tmp_path, before, a
     assert "RunDirError" not in refused.stderr and "/crl/" not in refused.stderr  # crl's line, no traceback of ours (the launcher prints its own)
     assert (run / "checkpoints" / "iter_000000" / "meta.json").read_text() == manifest
     assert not (run / "checkpoints" / "iter_000001").exists()
-
-
-def two_ranks_shared_the_work(run_dir):
-    """Each iteration's evidence: the two ranks' episodes are disjoint, both ran at world size 2, and every
-    optimizer step's loss was divided by the optimized tokens of BOTH ranks (DeepSpeed averages gradients over the
-    ranks, so each rank scales its summed loss by 2)."""
-    for it in ("iter_000000", "iter_000001"):
-        ranks = [run_dir / "evidence" / it / f"rank_{r}" for r in (0, 1)]
-        ids = [set(load_episodes(r / "rollout.pt")["rollout_id"].tolist()) for r in ranks]
-        assert ids[0] and ids[1] and not ids[0] & ids[1], "the two ranks' episodes must be disjoint"
-        metas = [json.loads((r / "meta.json").read_text()) for r in ranks]
-        assert all(m["world_size"] == 2 for m in metas)
-        total = sum(m["local_optimized_tokens"] for m in metas)
-        for m in metas:
-            steps = m["normalizers"]["critic"]
-            assert steps and all(n["num_tokens"] == total and n["grad_scale"] == 2 for n in steps), steps
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_resume_equals_an_uninterrupted_run(tmp_path, stage):
-    """2 ranks, ZeRO-2 / ZeRO-3 under ``accelerate launch`` (the CI's end-to-end DeepSpeed check): the uninterrupted
-    run shares its work across the ranks (:func:`two_ranks_shared_the_work`) and audits PASS. Then 2 iterations
-    straight vs 1 iteration and a resume to 2: the checkpoint holds each model once plus each rank's ZeRO optimizer
-    partition; the resumed iteration samples the same episodes and computes the same losses and gradient norms
-    (float tolerance: a fresh engine may sum in another order)."""
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    launch(2, straight, "train.iterations=2", deepspeed=stage)
-    two_ranks_shared_the_work(straight)
-    audit(straight)
-    launch(2, split, "train.iterations=1", deepspeed=stage)
-    files = sorted(p.relative_to(split / "checkpoints" / "iter_000000").as_posix() for p in (split / "checkpoints" / "iter_000000").rglob("*") if p.is_file())
-    assert [f for f in files if f.startswith("optimizer/")] == [f"optimizer/{m}_rank{r}.pt" for m in ("actor", "critic") for r in (0, 1)]
-    assert sum(f.endswith(".safetensors") for f in files) == 2  # policy/model.safetensors + critic.safetensors: each model once
-    resumed = launch(2, split, "train.iterations=2", deepspeed=stage)
-    assert "resumed from" in resumed.stdout
-    a, b = metrics(straight)[-1], metrics(split)[-1]
-    assert a["step"] == b["step"] == 2 and a.keys() == b.keys()
-    for k in a:
-        if k.startswith(("train/", "episode/", "tokens/", "dev/")):
-            assert a[k] == b[k], k  # the same episodes
-        elif not k.startswith("perf/"):
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
-    audit(split)
 
 
 def test_warm_start_once_and_broadcast(tmp_path):
