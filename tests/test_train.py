@@ -40,7 +40,7 @@ def metrics(run_dir):
 
 
 # DeepSpeed ZeRO-2/3 on two processes followed by the audit (rollout ids disjoint, the loss normalised by both ranks'
-# tokens): tests/test_multirank.py::test_deepspeed_resume_equals_an_uninterrupted_run checks it on its uninterrupted run.
+# tokens): tests/test_multinode.py::test_two_machines_train_with_deepspeed_and_equal_a_resumed_run_on_one checks it on its uninterrupted run.
 
 
 def tiny_checkpoint(path):
