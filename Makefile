@@ -45,7 +45,7 @@ PYTEST_WORKERS ?= auto
 test: setup vllm
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadgroup --durations=25
 
-# The edit-test loop (a few minutes): everything but the multi-process, vLLM, real-model and slow tests.
+# The edit-test loop (under 3 minutes on 2 cores): everything but the multi-process, vLLM, real-model and slow tests.
 test-quick: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses=4 -m "not processes and not real_model and not slow"
 

@@ -290,6 +290,7 @@ print("HANG", repr(HANG_STARTED[0]), "END", repr(time.time()), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_process_with_hung_env_exits_promptly(tmp_path):
     """The row as measured: a 20 s hang with step_timeout 1 s kept the process alive ~26 s (the executor's
     thread is joined at exit). Now the process exits as soon as its work is done (interpreter teardown alone
@@ -720,6 +721,7 @@ def test_evidence_on_critic_warmup_iterations_passes_the_audit(tmp_path):
     assert code == 0 and "audit: PASS" in out, out
 
 
+@pytest.mark.slow
 def test_frozen_summary_run_passes_the_audit(tmp_path):
     """Row: frozen-summary runs could never PASS the audit (no SUMMARY tokens).
 
@@ -735,6 +737,7 @@ def test_frozen_summary_run_passes_the_audit(tmp_path):
     assert code == 0 and "audit: PASS" in out and "frozen_summary_not_trained" in out, out
 
 
+@pytest.mark.slow
 def test_rerun_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     """Row: rerun of a finished run started a new empty wandb run and rewrote the curves."""
     run = tmp_path / "run"
@@ -749,6 +752,7 @@ def test_rerun_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     assert not (run / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_wandb_resumes_the_same_run_id(tmp_path, monkeypatch):
     """Row: on restart wandb must continue the same run (the id is kept in the run directory)."""
     run = tmp_path / "run"
@@ -764,6 +768,7 @@ def test_wandb_resumes_the_same_run_id(tmp_path, monkeypatch):
     assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", [["train.actor_lr=0.005"], ["model.preset=llama-tiny"]])
 def test_resume_with_another_config_is_refused_with_a_diff(tmp_path, change):
     """Row: rerun with different hyper-parameters or another model.preset silently continued (or crashed)."""
@@ -792,6 +797,7 @@ def test_second_run_on_the_same_run_dir_is_refused_naming_the_holder(tmp_path):
     Trainer(trainer_cfg(run, "train.iterations=1")).fit()  # now free (and complete)
 
 
+@pytest.mark.slow
 def test_cli_second_run_exits_non_zero_with_one_line(tmp_path):
     run = tmp_path / "run"
     with RunDirLock(run):
@@ -802,7 +808,9 @@ def test_cli_second_run_exits_non_zero_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("victim", ["trainer_state.pt", "policy/model.safetensors", "critic.safetensors", "optimizer/actor.pt", "meta.json"])
+# the quick tier keeps one damaged file; make test all five
+@pytest.mark.parametrize("victim", ["meta.json", *(pytest.param(v, marks=pytest.mark.slow) for v in
+                                                  ("trainer_state.pt", "policy/model.safetensors", "critic.safetensors", "optimizer/actor.pt"))])
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, victim, capsys):
     """Row: a truncated trainer_state.pt / model safetensors / optimizer state gave a raw traceback or went unnoticed."""
     run = tmp_path / "run"
@@ -876,6 +884,7 @@ def test_step_timeout_reaches_the_collector(tmp_path):
         trainer_cfg(tmp_path / "x", "env.step_timeout_s=0")
 
 
+@pytest.mark.slow
 def test_unwritable_run_dir_is_one_line(tmp_path):
     """Row: unwritable run_dir gave a raw OSError."""
     blocker = tmp_path / "file"
@@ -972,6 +981,7 @@ def _statuses_of(path):
     return {int(r): int(s) for r, s in zip(td["rollout_id"], td["status"])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["drop", "train"])
 def test_infrastructure_failures_are_dropped_not_trained(tmp_path, monkeypatch, policy):
     """Row: an environment exception ended the episode FAILED with reward 0 and that episode was trained, pushing the
@@ -1002,6 +1012,7 @@ def test_infrastructure_failures_are_dropped_not_trained(tmp_path, monkeypatch, 
     trainer.close()
 
 
+@pytest.mark.slow
 def test_an_iteration_whose_every_episode_failed_skips_the_update(tmp_path, monkeypatch, capsys):
     """Row: a batch of only failed episodes would train on nothing. Iteration 1 is normal; in iteration 2 every train
     episode crashes: the trainer says so, skips the critic and policy updates (no gradient norm, weights unchanged),

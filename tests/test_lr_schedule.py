@@ -52,6 +52,7 @@ def test_unknown_schedule_fails_at_load():
         load_config(ROOT / "configs" / "default.yaml", ["train.lr_schedule=cosine"])
 
 
+@pytest.mark.slow
 def test_linear_entropy_schedule_decays_the_bonus_the_loss_uses(tmp_path):
     """``algo.entropy_schedule=linear``: the policy loss's entropy weight at iteration ``it`` of 3 is
     ``0.01 · (1 - it/3)`` (read off the loss module at each optimizer step, and logged as ``policy/entropy_coef``);

@@ -140,7 +140,7 @@ def test_ignored_generation_keys_name_what_shapes_sampling_only():
     assert ignored_generation_keys(g) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, precision):
     """Issue 27 defect 2: with bf16 mixed precision (``train.precision=bf16``; auto on a CUDA GPU) accelerate autocast
     only the learner's forward while the sampler ran the same model in fp32, so the first PPO ratio was not 1 (here:

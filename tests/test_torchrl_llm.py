@@ -233,6 +233,7 @@ def test_a_correct_final_answer_completes_with_reward_one(tok, lm):
     assert rows.shape[0] == 1 and ep["status"].tolist() == [EpisodeStatus.COMPLETED] and ep["reward"].tolist() == [1.0]
 
 
+@pytest.mark.slow
 def test_a_verifier_outside_the_transform_that_ends_an_episode_on_a_summary_is_refused(tok, lm):
     """Issue 27 defect 8: a verifier outside CompactionTransform graded a summary turn and ended the episode there (a
     summary "FINAL apple" earned reward 1). Before the transform in the chain: refused at that step; after it (an

@@ -160,7 +160,7 @@ def test_one_iteration_end_to_end(tmp_path):
     assert not list((run_dir / "checkpoints").glob(".*tmp"))
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o077])
+@pytest.mark.parametrize("umask", [0o022, pytest.param(0o077, marks=pytest.mark.slow)])
 def test_checkpoint_is_a_transformers_directory_stored_once_and_follows_the_umask(tmp_path, umask):
     """Every checkpoint's policy is a standard transformers checkpoint (config, safetensors, tokenizer) that
     ``from_pretrained`` loads as is and that holds the trained weights; each model is stored once (no framework copy
@@ -203,6 +203,7 @@ def test_each_config_runs_one_iteration(tmp_path, config):
     assert metrics(tmp_path / "run")[-1]["step"] == 1
 
 
+@pytest.mark.slow
 def test_curriculum_promotes_and_evaluates_both_lengths(tmp_path):
     """Stage 0 promotes at once (promote_at=0); stage 1 is the target the dev success is measured on."""
     make(tmp_path / "cur", "train.iterations=2", "env.compaction_steps=null", LONG_EPISODES,
@@ -233,6 +234,7 @@ def test_curriculum_stages_the_number_of_compactions(tmp_path):
         assert per_rollout and (most > 0 or max(per_rollout) == 0)
 
 
+@pytest.mark.slow
 def test_warm_start_cache_reuse_is_bit_identical(tmp_path, capsys):
     """warm_start.cache_dir: a run with the same inputs loads an earlier run's warm start; the three runs (no cache,
     cache miss, cache hit) log identical metrics. Another arm shares the entry; another seed is another entry."""
@@ -277,6 +279,7 @@ def test_a_failed_warm_start_is_cached_and_the_next_arm_fails_at_once(tmp_path, 
     assert any("warm_start/answer_p_train" in r for r in lines) and strip(metrics(tmp_path / "frozen")) == lines
 
 
+@pytest.mark.slow
 def test_a_killed_warm_start_continues_from_its_checkpoint_bit_identically(tmp_path, capsys):
     """warm_start.cache_dir: a warm start killed at step 5 of 7 (checkpoints every probe_every=3 steps) leaves
     KEY.partial.pt at step 3; the next run with the same inputs replays the logged lines, plays only steps 3-6
@@ -375,6 +378,7 @@ def test_loading_a_config_builds_no_model(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_prefix_shared_learner_matches_the_naive_learner_through_the_trainer(tmp_path):
     """Same seed, shared vs naive learner: identical episodes at the first iteration, losses equal to float rounding,
     and the learner-efficiency targets of the default config (learner/unique <= 1.05, padding <= 10 %)."""
