@@ -160,8 +160,7 @@ def test_two_machines_train_with_deepspeed_and_equal_a_resumed_run_on_one(tmp_pa
     on ONE machine x 2 processes (``accelerate launch --num_processes 2``), stopped after 1 iteration and resumed to
     2: the checkpoint holds each model once plus each rank's ZeRO optimizer partition; the resumed iteration samples
     the same episodes and computes the same losses and gradient norms as the two machines did (float tolerance: a
-    fresh engine, and DeepSpeed's shared-memory all-reduce on one machine against gloo's across two, may sum in
-    another order)."""
+    fresh engine may sum in another order)."""
     straight, split, port = tmp_path / "straight", tmp_path / "split", free_port()
     logs = [tmp_path / f"machine{r}.log" for r in (0, 1)]
     procs = start_machines([accelerate_machine(r, port, straight, "train.iterations=2", zero=zero) for r in (0, 1)], logs, port)
