@@ -140,11 +140,10 @@ def two_ranks_shared_the_work(run_dir):
     """Each iteration's evidence: the two ranks' episodes are disjoint, both ran at world size 2, and every
     optimizer step's loss was divided by the optimized tokens of BOTH ranks (DeepSpeed averages gradients over the
     ranks, so each rank scales its summed loss by 2)."""
-    for it in ("iter_000000", "iter_000001"):
-        ranks = [run_dir / "evidence" / it / f"rank_{r}" for r in (0, 1)]
-        ids = [set(load_episodes(r / "rollout.pt")["rollout_id"].tolist()) for r in ranks]
-        assert ids[0] and ids[1] and not ids[0] & ids[1], "the two ranks' episodes must be disjoint"
-        metas = [json.loads((r / "meta.json").read_text()) for r in ranks]
+    for it in (0, 1):
+        ids = [rollout_ids(run_dir, it, r) for r in (0, 1)]
+        assert ids[0] and ids[1] and not ids[0] & ids[1], ("the two ranks' episodes must be disjoint", it, ids)
+        metas = [json.loads((run_dir / "evidence" / f"iter_{it:06d}" / f"rank_{r}" / "meta.json").read_text()) for r in (0, 1)]
         assert all(m["world_size"] == 2 for m in metas)
         total = sum(m["local_optimized_tokens"] for m in metas)
         for m in metas:
