@@ -25,6 +25,7 @@ import pytest
 
 from _gloo import free_port
 from crl.episode import load_episodes
+from crl.evidence import evidence_dir
 from crl.run_dir import verify_checkpoint
 from test_multirank import ENV, TINY, audit, launch, metrics
 
@@ -132,8 +133,7 @@ def torchrun_machine(rank: int, port: int, run, *overrides, restarts: int | None
 
 
 def rollout_ids(run, iteration: int, rank: int) -> set:
-    ev = Path(run) / "evidence" / f"iter_{iteration:06d}" / f"rank_{rank}"
-    return set(load_episodes(ev / "rollout.pt")["rollout_id"].tolist())
+    return set(load_episodes(evidence_dir(run, iteration, rank) / "rollout.pt")["rollout_id"].tolist())
 
 
 def two_ranks_shared_the_work(run_dir):
@@ -143,7 +143,7 @@ def two_ranks_shared_the_work(run_dir):
     for it in (0, 1):
         ids = [rollout_ids(run_dir, it, r) for r in (0, 1)]
         assert ids[0] and ids[1] and not ids[0] & ids[1], ("the two ranks' episodes must be disjoint", it, ids)
-        metas = [json.loads((run_dir / "evidence" / f"iter_{it:06d}" / f"rank_{r}" / "meta.json").read_text()) for r in (0, 1)]
+        metas = [json.loads((evidence_dir(run_dir, it, r) / "meta.json").read_text()) for r in (0, 1)]
         assert all(m["world_size"] == 2 for m in metas)
         total = sum(m["local_optimized_tokens"] for m in metas)
         for m in metas:
