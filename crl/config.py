@@ -181,7 +181,7 @@ class WarmStartConfig:
     steps: int = 200
     batch_episodes: int = 16
     lr: float = 3e-3
-    summary_content: str = "random"  # random | untrained | format | balanced (see crl/warm_start.py): never the correct content
+    summary_content: str = "random"  # random | untrained | format | balanced (see crl/warm_start/demonstrations.py): never the correct content
     # stop once the answer probe on train tasks (reading a fact from a correct summary) reaches this; steps is then
     # the maximum. null: exactly `steps` steps
     stop_answer_p: Optional[float] = None

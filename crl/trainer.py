@@ -51,7 +51,7 @@ from crl.training.checkpoints import RunCheckpoints
 from crl.training.models import LearnerModels, build_policy_lm
 from crl.training.sampler import Sampler
 from crl.training.update import PPOUpdate
-from crl.training.warm_start import warm_start_policy
+from crl.warm_start import warm_start_policy
 
 __all__ = ["Trainer", "StalePolicyError", "make_accelerator"]
 

@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 import crl.trainer as trainer_mod  # noqa: E402
 import crl.training.models as models_mod  # noqa: E402
-import crl.training.warm_start as warm_start_part  # noqa: E402
-import crl.warm_start as warm_start_mod  # noqa: E402
+import crl.warm_start.policy as warm_start_part  # noqa: E402
+import crl.warm_start.demonstrations as warm_start_mod  # noqa: E402
 from crl.config import load_config  # noqa: E402
 from crl.modules.zero3 import is_partitioned, local_numel  # noqa: E402
 

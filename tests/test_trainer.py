@@ -257,7 +257,7 @@ def test_a_failed_warm_start_is_cached_and_the_next_arm_fails_at_once(tmp_path, 
     """A warm start that does not teach reading (an unreachable stop_answer_p) ends the run with WarmStartError and
     is cached as such: the next arm of the seed replays its logged lines and ends with the same error without
     playing a single warm-start step (counted through the demonstrations it would build)."""
-    import crl.warm_start
+    import crl.warm_start.demonstrations
     from crl.warm_start import WarmStartError
 
     cache = tmp_path / "cache"
@@ -265,13 +265,13 @@ def test_a_failed_warm_start_is_cached_and_the_next_arm_fails_at_once(tmp_path, 
     with pytest.raises(WarmStartError, match=r"after 4 steps .* answer probe is 0\.\d+ < warm_start\.stop_answer_p=1\.0") as first:
         make(tmp_path / "joint", *args).fit()
     built = []
-    real = crl.warm_start.demonstration_batch
+    real = crl.warm_start.demonstrations.demonstration_batch
     try:
-        crl.warm_start.demonstration_batch = lambda *a, **k: built.append(1) or real(*a, **k)
+        crl.warm_start.demonstrations.demonstration_batch = lambda *a, **k: built.append(1) or real(*a, **k)
         with pytest.raises(WarmStartError) as second:
             make(tmp_path / "frozen", *args, "algo.frozen_summary=true").fit()
     finally:
-        crl.warm_start.demonstration_batch = real
+        crl.warm_start.demonstrations.demonstration_batch = real
     assert str(second.value) == str(first.value) and built == []
     assert "warm start: reused the failed one" in capsys.readouterr().out
     strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in recs]  # noqa: E731
@@ -284,12 +284,12 @@ def test_a_killed_warm_start_continues_from_its_checkpoint_bit_identically(tmp_p
     """warm_start.cache_dir: a warm start killed at step 5 of 7 (checkpoints every probe_every=3 steps) leaves
     KEY.partial.pt at step 3; the next run with the same inputs replays the logged lines, plays only steps 3-6
     (counted through the demonstrations built) and logs exactly what a never-interrupted run logs, RL included."""
-    import crl.warm_start
+    import crl.warm_start.demonstrations
 
     strip = lambda recs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in recs]  # noqa: E731
     cache, args = tmp_path / "cache", ["train.iterations=1", "warm_start.steps=7", "warm_start.probe_every=3"]
     make(tmp_path / "straight", *args).fit()
-    real, built = crl.warm_start.demonstration_batch, []
+    real, built = crl.warm_start.demonstrations.demonstration_batch, []
 
     def killed_at_step_5(*a, **k):
         built.append(1)
@@ -298,15 +298,15 @@ def test_a_killed_warm_start_continues_from_its_checkpoint_bit_identically(tmp_p
         return real(*a, **k)
 
     try:
-        crl.warm_start.demonstration_batch = killed_at_step_5
+        crl.warm_start.demonstrations.demonstration_batch = killed_at_step_5
         with pytest.raises(KeyboardInterrupt):
             make(tmp_path / "killed", *args, f"warm_start.cache_dir={cache}").fit()
         (partial,) = cache.glob("*.partial.pt")
         built.clear()
-        crl.warm_start.demonstration_batch = lambda *a, **k: built.append(1) or real(*a, **k)
+        crl.warm_start.demonstrations.demonstration_batch = lambda *a, **k: built.append(1) or real(*a, **k)
         make(tmp_path / "continued", *args, f"warm_start.cache_dir={cache}").fit()
     finally:
-        crl.warm_start.demonstration_batch = real
+        crl.warm_start.demonstrations.demonstration_batch = real
     assert len(built) == 4 and "warm start: continued from step 3 of" in capsys.readouterr().out
     assert strip(metrics(tmp_path / "continued")) == strip(metrics(tmp_path / "straight"))
     assert not partial.exists() and [p.name for p in cache.iterdir() if p.is_dir()] == [partial.name.split(".")[0]]

@@ -188,7 +188,7 @@ def test_every_probe_plays_probe_tasks_tasks(monkeypatch):
     """``probe_tasks`` bounds each answer probe: the stopping rule's and the step limit's probes on the train split
     (20 tasks here) play exactly 3, the final visible/summary probes on dev play its 2 (fewer than asked); with the
     default (40) the train probes would play all 20. Counted at the suite the probes build their episodes from."""
-    import crl.warm_start as ws
+    import crl.warm_start.demonstrations as ws
 
     played, real = [], ws.answer_probability
 

@@ -1,5 +1,5 @@
 """The warm start as the trainer runs it: on one rank while the others wait, or on every rank under ZeRO-3, cached
-across runs (the algorithm: :mod:`crl.warm_start`)."""
+across runs (the algorithm: :mod:`crl.warm_start.demonstrations`)."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +15,7 @@ from crl.builders import build_compaction_config, build_suite
 from crl.config import Config, to_dict
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs
 from crl.training.accelerator import deepspeed_stage, mean_scalar_over_ranks
-from crl.warm_start import WarmStartError, warm_start, warm_start_cached
+from crl.warm_start.demonstrations import WarmStartError, warm_start, warm_start_cached
 
 __all__ = ["warm_start_policy"]
 
