@@ -7,7 +7,7 @@ Layout of a run directory (every file written atomically: temp file in the same 
       metrics.jsonl                       one JSON object per logged step
       curves.png                          learning curves, written at the end
       checkpoints/iter_000012/            a post-update checkpoint (directory renamed into place when complete;
-        policy/  critic.safetensors ...   layout: crl/checkpoint.py)
+        policy/  critic.safetensors ...   layout: crl/training/checkpoints.py)
       evidence/iter_000012/rank_0/
         rollout.pt                        the collected batch as the episode contract saves it (crl.episode)
         training.pt                       the same rows as trained: + state_value, advantage, value_target

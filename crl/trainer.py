@@ -157,7 +157,7 @@ class Trainer:
 
     def resume(self, checkpoint: Path) -> None:
         """Restore the policy, the critic, the optimizer states, curriculum stage, collector counters and sampler and
-        RNG states from ``checkpoint`` (:mod:`crl.checkpoint`).
+        RNG states from ``checkpoint`` (:mod:`crl.training.checkpoints`).
 
         With another world size (a whole optimizer state only, :meth:`RunCheckpoints.check_layout`) the per-rank
         states cannot be matched to ranks: every rank starts fresh sampler streams

@@ -30,7 +30,7 @@ Layout assumed (written by the trainer; the evidence part is ``crl/evidence.py``
                                           the learner does with FAILED episodes (equal in every meta of the run)
                                           "update_skipped": bool (optional, default false): every episode of the
                                           iteration failed and nothing was trained
-      checkpoints/iter_MMMMMM/            post-update checkpoint, M >= N (crl/checkpoint.py)
+      checkpoints/iter_MMMMMM/            post-update checkpoint, M >= N (crl/training/checkpoints.py)
         policy/                           a transformers checkpoint directory of the policy (config.json,
                                           model.safetensors, tokenizer): AutoModelForCausalLM.from_pretrained
         critic.safetensors                state dict of crl.modules.models.ValueModel: backbone.* (the

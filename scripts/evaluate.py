@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 def load_policy(run_dir: Path, checkpoint: Path | None = None, episodes: int = 240):
     """``(cfg, checkpoint, meta, codec, prompt_format, lm, frozen_lm)`` of a run's checkpoint (default: the newest
     intact one): the run's config with ``model.preset`` = the checkpoint's ``policy/``, and the models in eval mode."""
-    from crl import checkpoint as ckpt_files
+    from crl.training import checkpoints as ckpt_files
     from crl.builders import build_prompt_format, build_tokenizer
     from crl.config import load_config
     from crl.modules.models import build_causal_lm

@@ -25,7 +25,7 @@ from crl.episode import (
     save_episodes,
     validate_episodes,
 )
-from crl.checkpoint import save_model_dir, save_weights
+from crl.training.checkpoints import save_model_dir, save_weights
 from crl.evidence import checkpoint_dir, evidence_dir, write_evidence
 from crl.io import atomic_dir, atomic_write_json
 from crl.objectives.functional import cross_trajectory_gae, masked_whiten, next_segment_start_value

@@ -1,26 +1,146 @@
-"""The run directory's training state: which checkpoint a run resumes from, the checkpoints it writes, the evidence
-the audit reads, and which checkpoints are kept (layout: :mod:`crl.evidence`; integrity: :mod:`crl.run_dir`).
+"""Checkpoints, in one place: what a training checkpoint holds, the two operations on model files every reader
+needs (write and load), and :class:`RunCheckpoints` — which checkpoint a run resumes from, the checkpoints it
+writes, the evidence the audit reads, and which checkpoints are kept (evidence layout: :mod:`crl.evidence`;
+integrity: :mod:`crl.run_dir`).
 
-A checkpoint is built under a temporary name and renamed when complete; ``meta.json`` is written last and carries
-the SHA-256 manifest of every other file. The rename is the commit point: an iteration's evidence is already on
-disk when it happens.
+Layout of ``RUN_DIR/checkpoints/iter_NNNNNN/`` (built under a temporary name, renamed into place when complete;
+:mod:`crl.run_dir` verifies it)::
+
+    policy/                  the policy as a standard transformers checkpoint: config.json, generation_config.json,
+                             model.safetensors, the tokenizer files (its chat template included when it has one).
+                             ``AutoModelForCausalLM.from_pretrained``, vLLM and ``model.preset=...`` load it as is.
+    frozen_policy/           frozen-summary runs only: the frozen summariser, in the same format
+    critic.safetensors       the critic (:class:`crl.modules.models.ValueModel`: ``backbone.*`` + ``value_head.*``; its
+                             architecture is ``policy/config.json``; only ``value_head.*`` when it shares the backbone)
+    optimizer/               the optimizer state: ``actor.pt`` / ``critic.pt`` (``torch.optim`` state dicts, the same on
+                             every rank: one process or DDP) or ``actor_rank{R}.pt`` / ``critic_rank{R}.pt`` (DeepSpeed:
+                             rank R's ZeRO partition, its fp32 master weights included)
+    trainer_state.pt         iteration, curriculum stage, per-rank collector counters, sampler and RNG states
+    meta.json                iteration, stage, world size, optimizer layout, the config, SHA-256 manifest (written last)
+
+Each model is stored once: no second copy of the weights in a framework's own format (DeepSpeed's ZeRO optimizer
+partitions hold fp32 master weights, which are optimizer state: with bf16 training they are not the saved weights).
+Files follow the process umask like a plain ``open`` (:mod:`crl.io`).
+
+``meta.json`` is written last and carries the SHA-256 manifest of every other file. The rename is the commit point:
+an iteration's evidence is already on disk when it happens.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from crl import checkpoint as ckpt_files
 from crl.config import Config, to_dict
 from crl.evidence import checkpoint_dir, write_evidence
-from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, commit_dir
+from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, commit_dir, current_umask
 from crl.run_dir import RunDirError, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 
-__all__ = ["RunCheckpoints"]
+__all__ = ["RunCheckpoints", "POLICY_DIR", "FROZEN_POLICY_DIR", "CRITIC_FILE", "OPTIMIZER_DIR", "WEIGHTS_FILE", "save_model_dir",
+           "save_weights", "load_weights_", "optimizer_file"]
+
+POLICY_DIR = "policy"
+FROZEN_POLICY_DIR = "frozen_policy"
+CRITIC_FILE = "critic.safetensors"
+OPTIMIZER_DIR = "optimizer"
+WEIGHTS_FILE = "model.safetensors"  # transformers' single-file name
+
+
+def optimizer_file(name: str, rank: int | None) -> str:
+    """``optimizer/NAME.pt`` (one state for every rank) or ``optimizer/NAME_rankR.pt`` (rank R's ZeRO partition)."""
+    return f"{OPTIMIZER_DIR}/{name}.pt" if rank is None else f"{OPTIMIZER_DIR}/{name}_rank{rank}.pt"
+
+
+def save_weights(state_dict: dict, path: str | os.PathLike, tied: tuple[str, ...] = ()) -> None:
+    """``state_dict`` as one safetensors file; keys in ``tied`` (weights that alias another key) are left out.
+
+    safetensors refuses tensors that share memory, so aliases are dropped and non-contiguous tensors made
+    contiguous; the caller writes into a temporary directory that is renamed when complete.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k not in tied}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~current_umask())  # save_file creates the file itself: follow the umask like open() would
+
+
+def save_model_dir(out: str | os.PathLike, lm: nn.Module, state_dict: dict, tokenizer=None) -> Path:
+    """A transformers checkpoint directory at ``out``: ``lm``'s config and generation config, ``state_dict`` (the
+    consolidated weights, keys as ``lm.state_dict()``), and ``tokenizer`` (a ``transformers`` tokenizer) if given.
+
+    ``lm`` supplies only the configs: under ZeRO-3 its own parameters are partitions, and ``state_dict`` is what
+    the engine consolidated on this rank.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm.config.save_pretrained(out)
+    if getattr(lm, "generation_config", None) is not None:
+        lm.generation_config.save_pretrained(out)
+    tied = ("lm_head.weight",) if getattr(lm.config, "tie_word_embeddings", False) else ()
+    save_weights(state_dict, out / WEIGHTS_FILE, tied=tied)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    mask = current_umask()
+    for f in out.iterdir():  # transformers' writers do not all follow the umask
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
+    return out
+
+
+def load_weights_(module: nn.Module, path: str | os.PathLike, *, prefix: str = "", keys: tuple[str, ...] | None = None) -> None:
+    """Copy the safetensors file ``path`` into ``module``'s parameters and buffers, in place.
+
+    ``prefix``: prepended to the module's own names to find them in the file. Every parameter must be in the file,
+    except a weight tied to one loaded before it (``lm_head.weight`` of a model that ties its embeddings) and, when
+    ``keys`` is given, names not starting with one of ``keys`` (a critic that shares the actor's backbone stores only
+    its head). Works on plain and on DeepSpeed ZeRO-3 partitioned modules: partitioned parameters are gathered one
+    module at a time and written by rank 0 (``GatheredParameters(modifier_rank=0)``), so no rank ever holds the
+    whole model; every rank must call it then. Raises ``KeyError`` naming a missing or mis-shaped tensor.
+    """
+    from safetensors import safe_open
+
+    from crl.modules.zero3 import is_partitioned
+
+    done: set[int] = set()
+    wanted = (lambda name: True) if keys is None else (lambda name: name.startswith(keys))
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        stored = set(f.keys())
+
+        def take(name: str, target: torch.Tensor) -> None:
+            key = prefix + name
+            if key not in stored:
+                raise KeyError(f"{path} has no tensor {key!r}")
+            src = f.get_tensor(key)
+            if src.shape != target.shape:
+                raise KeyError(f"{path}: {key!r} has shape {tuple(src.shape)}, the model expects {tuple(target.shape)}")
+            target.copy_(src)
+
+        with torch.no_grad():
+            for mod_name, mod in module.named_modules():
+                own = {f"{mod_name}.{n}" if mod_name else n: p for n, p in mod.named_parameters(recurse=False)}
+                own = {n: p for n, p in own.items() if id(p) not in done and wanted(n)}  # a tied weight is loaded once
+                if own and any(is_partitioned(p) for p in own.values()):
+                    import deepspeed
+
+                    with deepspeed.zero.GatheredParameters(list(own.values()), modifier_rank=0):
+                        if torch.distributed.get_rank() == 0:
+                            for n, p in own.items():
+                                take(n, p.data)
+                else:
+                    for n, p in own.items():
+                        take(n, p.data)
+                done.update(id(p) for p in own.values())
+                persistent = set(mod._buffers) - getattr(mod, "_non_persistent_buffers_set", set())
+                for n in sorted(persistent):
+                    b = mod._buffers[n]
+                    name = f"{mod_name}.{n}" if mod_name else n
+                    if b is not None and wanted(name) and prefix + name in stored:
+                        take(name, b)
 
 
 class RunCheckpoints:
@@ -64,18 +184,18 @@ class RunCheckpoints:
         a fresh sampler stream and an episode counter past every rollout id the earlier ranks issued
         (:func:`crl.streams.resumed_episode_counter`).
         """
-        if not (checkpoint / ckpt_files.POLICY_DIR).is_dir():
-            raise RunDirError(f"checkpoint {checkpoint} has the layout of an older crl (no {ckpt_files.POLICY_DIR}/); resume it with that "
+        if not (checkpoint / POLICY_DIR).is_dir():
+            raise RunDirError(f"checkpoint {checkpoint} has the layout of an older crl (no {POLICY_DIR}/); resume it with that "
                               "version, or start a new run_dir from its weights")
         saved = meta.get("optimizer", "torch")
         if saved != layout:
             raise RunDirError(f"checkpoint {checkpoint} holds a {saved} optimizer state and this run uses {layout}; relaunch it the way it was "
-                              f"launched, or start a new run_dir with model.preset={checkpoint / ckpt_files.POLICY_DIR}")
+                              f"launched, or start a new run_dir with model.preset={checkpoint / POLICY_DIR}")
         was = int(meta["world_size"])
         if was != self.world and layout != "torch":
             raise RunDirError(f"checkpoint {checkpoint} was written by {was} processes and this run has {self.world}: DeepSpeed ZeRO "
                               f"partitions the optimizer state per process; relaunch with {was} processes, or start a new run_dir "
-                              f"with model.preset={checkpoint / ckpt_files.POLICY_DIR}")
+                              f"with model.preset={checkpoint / POLICY_DIR}")
 
     def remove_partial_writes(self) -> None:
         """Rank 0: remove the temporary checkpoint and evidence directories a run killed mid-write left."""
@@ -96,7 +216,7 @@ class RunCheckpoints:
 
     # ------------------------------------------------------------------------------------------ write
     def save(self, iteration: int, models, tokenizer, state: dict, accelerator) -> Path:
-        """The checkpoint of ``iteration`` (:mod:`crl.checkpoint`): ``models``' weights and optimizer states
+        """The checkpoint of ``iteration`` (layout: this module's docstring): ``models``' weights and optimizer states
         (:meth:`crl.training.models.LearnerModels.save`) and ``trainer_state.pt`` = ``state`` (this rank's entries:
         ``stage``, ``policy_version``, ``collector``, ``generators``; gathered over ranks here) with every rank's torch
         RNG state. Every rank calls it. On an I/O failure the temporary directory is removed and a one-line
@@ -106,7 +226,7 @@ class RunCheckpoints:
         try:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                (tmp / ckpt_files.OPTIMIZER_DIR).mkdir(parents=True)
+                (tmp / OPTIMIZER_DIR).mkdir(parents=True)
             accelerator.wait_for_everyone()
             models.save(tmp, self.rank, self.is_main, tokenizer)
             mine = [state["generators"], state["collector"], torch.get_rng_state()]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tensordict.nn import TensorDictModule
 
-from crl import checkpoint as ckpt_files
+from crl.training import checkpoints as ckpt_files
 from crl.config import Config, ConfigValidationError
 from crl.io import atomic_torch_save
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
