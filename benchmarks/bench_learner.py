@@ -108,7 +108,7 @@ def collected_default_batch(config: str = "configs/default.yaml", episodes: int 
     from crl.collectors import CompactionCollector
     from crl.config import load_config
     from crl.modules.backends import make_backend
-    from crl.modules.generation import SamplingParams
+    from crl.sampling import SamplingSpec
 
     cfg = load_config(config, list(overrides))
     codec = build_tokenizer(cfg)
@@ -118,7 +118,7 @@ def collected_default_batch(config: str = "configs/default.yaml", episodes: int 
     col = CompactionCollector(
         suite, "train", make_backend("transformers", model=lm, seed=seed), codec.encode, codec.decode, codec.eos_id,
         build_compaction_config(cfg, suite), episodes_per_batch=episodes or cfg.train.episodes_per_batch,
-        sampling=SamplingParams(temperature=cfg.model.temperature, stop_token_ids=(codec.eos_id,)),
+        sampling=SamplingSpec(temperature=cfg.model.temperature, stop_token_ids=(codec.eos_id,)),
         max_action_tokens=cfg.model.max_action_tokens, progress=False, seed=seed,
     )
     return cfg, lm, col.collect()

@@ -158,14 +158,15 @@ def test_chat_episode_with_budget_cut_actions_still_renders_as_template(smollm2_
 @pytest.mark.real_model
 def test_generation_log_probs_equal_teacher_forcing_on_chat_prompts(smollm2_lm, smollm2_tokenizer):
     """TransformersBackend behaviour log-probs = CausalLMLogProbs teacher forcing, fp32, <= 1e-4 (incl. the prefix cache)."""
-    from crl.modules.generation import SamplingParams, TransformersBackend
+    from crl.modules.generation import TransformersBackend
     from crl.modules.models import CausalLMLogProbs
+    from crl.sampling import SamplingSpec
 
     fmt = ChatFormat(smollm2_tokenizer)
     base = fmt.system_ids() + fmt.task_ids("there are 2 records . submit the final value of the asked key .")
     prompts = [base, base + fmt.encode("next") + [fmt.stop_id] + fmt.observation_ids("record 1 : key red = 3")]
     backend = TransformersBackend(smollm2_lm, seed=5)
-    params = SamplingParams(temperature=0.8, stop_token_ids=(fmt.stop_id,))
+    params = SamplingSpec(temperature=0.8, stop_token_ids=(fmt.stop_id,))
     gens = backend.generate(prompts, [8, 6], params, cache_keys=[0, 1])
     # second call extends row 0's context: only the new tokens run through the model (prefix cache)
     ext = prompts[0] + gens[0].token_ids + fmt.observation_ids("record 2 : key red = 4", after_stop=gens[0].stopped)
@@ -188,7 +189,8 @@ def test_collector_plays_a_compacted_chat_episode_with_the_real_model(smollm2_lm
     from crl.builders import TextCodec
     from crl.chat import load_chat_tokenizer
     from crl.collectors import CompactionCollector
-    from crl.modules.generation import SamplingParams, TransformersBackend
+    from crl.modules.generation import TransformersBackend
+    from crl.sampling import SamplingSpec
 
     tok = load_chat_tokenizer(smollm2_dir)
     fmt = ChatFormat(tok)
@@ -196,7 +198,7 @@ def test_collector_plays_a_compacted_chat_episode_with_the_real_model(smollm2_lm
     collector = CompactionCollector(
         suite, "train", TransformersBackend(smollm2_lm, seed=3), fmt.encode, lambda ids: tok.decode(list(ids)), fmt.stop_id,
         CompactionConfig(context_capacity=400, min_remaining=60, max_compactions=1, keep_recent=1, max_summary_tokens=12, forced_steps=(1,)),
-        episodes_per_batch=1, max_action_tokens=6, sampling=SamplingParams(temperature=1.0, stop_token_ids=(fmt.stop_id,)),
+        episodes_per_batch=1, max_action_tokens=6, sampling=SamplingSpec(temperature=1.0, stop_token_ids=(fmt.stop_id,)),
         progress=False, engine_kwargs={"prompt_format": fmt},
     )
     batch = collector.collect()  # validated inside

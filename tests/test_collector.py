@@ -9,10 +9,11 @@ from crl.collectors import CompactionCollector
 from crl.compaction import CompactionConfig
 from crl.envs import MemoryChainSuite
 from crl.episode import EpisodeStatus, Provenance, SegmentKind, validate_episodes
-from crl.modules.generation import SamplingParams, TransformersBackend
+from crl.modules.generation import TransformersBackend
 from crl.modules.models import actor_module, build_causal_lm
 from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
+from crl.sampling import SamplingSpec
 
 TOK = load_tokenizer()
 EOS_ID = TOK.convert_tokens_to_ids(EOS)
@@ -54,7 +55,7 @@ def test_collected_batch_is_valid_and_compacted(lm):
 
 def test_behaviour_log_probs_match_teacher_forcing_in_collected_rows(lm):
     temperature = 0.8
-    col = collector(lm, sampling=SamplingParams(temperature=temperature), episodes_per_batch=4)
+    col = collector(lm, sampling=SamplingSpec(temperature=temperature), episodes_per_batch=4)
     td = col.collect()
     with torch.no_grad():
         out = actor_module(lm, temperature)(td.select("tokens", "attention_mask").clone())

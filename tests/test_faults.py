@@ -518,15 +518,16 @@ def _top_p_batch(tok_lm, temperature, top_p, episodes=4):
     from crl.collectors import CompactionCollector
     from crl.compaction import CompactionConfig
     from crl.envs import MemoryChainSuite
-    from crl.modules.generation import SamplingParams, TransformersBackend
+    from crl.modules.generation import TransformersBackend
     from crl.modules.tokenizer import decode, encode
+    from crl.sampling import SamplingSpec
 
     tok, eos, lm = tok_lm
     suite = MemoryChainSuite(length=4, split_sizes={"train": 8, "dev": 2, "test": 2})
     cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=suite.compaction_steps, keep_recent=2)
     col = CompactionCollector(suite, "train", TransformersBackend(lm, seed=5), encode, decode, eos, cfg, max_action_tokens=5,
                               episodes_per_batch=episodes, progress=False,
-                              sampling=SamplingParams(temperature=temperature, top_p=top_p))
+                              sampling=SamplingSpec(temperature=temperature, top_p=top_p))
     return col.collect()
 
 
@@ -554,8 +555,9 @@ def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
 
 
 def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finite(tok_lm):
-    from crl.modules.generation import SamplingParams, sampling_log_probs
+    from crl.modules.generation import sampling_log_probs
     from crl.modules.models import CausalLMLogProbs
+    from crl.sampling import SamplingSpec
 
     _, _, lm = tok_lm
     td = _top_p_batch(tok_lm, 1.0, 0.7, episodes=2)
@@ -565,7 +567,7 @@ def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finit
     with torch.no_grad():
         logits = net.lm(input_ids=tokens, attention_mask=attn.long(),
                         position_ids=(attn.long().cumsum(-1) - 1).clamp(min=0)).logits
-        lp = sampling_log_probs(logits[:, :-1], SamplingParams(top_p=0.7))
+        lp = sampling_log_probs(logits[:, :-1], SamplingSpec(top_p=0.7))
         p = lp.exp()
         want = -(p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum(-1)
     keep = attn.clone()

@@ -3,8 +3,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from crl.modules.generation import SamplingParams, TransformersBackend, sampling_log_probs
+from crl.modules.generation import TransformersBackend, sampling_log_probs
 from crl.modules.models import ValueModel, actor_module, build_causal_lm, critic_module
+from crl.sampling import SamplingSpec
 
 V, EOS = 40, 2
 
@@ -24,7 +25,7 @@ def teacher_forced(lm, prompt, gen, temperature):
 def test_behaviour_log_probs_equal_teacher_forced(lm, temperature):
     prompts = [[1, 5, 6, 7, 8, 9], [1, 8], [1, 9, 9, 9, 3], [1]]
     backend = TransformersBackend(lm, seed=11)
-    params = SamplingParams(temperature=temperature, stop_token_ids=(EOS, 3))
+    params = SamplingSpec(temperature=temperature, stop_token_ids=(EOS, 3))
     gens = backend.generate(prompts, [12, 7, 3, 20], params)
     for prompt, gen, budget in zip(prompts, gens, [12, 7, 3, 20]):
         assert 1 <= len(gen.token_ids) <= budget and len(gen.log_probs) == len(gen.token_ids)
@@ -42,11 +43,11 @@ def test_stop_token_kept_and_budgets_per_row(lm):
             lm.lm_head.weight.zero_()
             lm.lm_head.bias = torch.nn.Parameter(torch.zeros(V))
             lm.lm_head.bias[EOS] = 30.0
-        gens = backend.generate([[1, 4], [1]], [5, 1], SamplingParams(stop_token_ids=(EOS,)))
+        gens = backend.generate([[1, 4], [1]], [5, 1], SamplingSpec(stop_token_ids=(EOS,)))
         assert [g.token_ids for g in gens] == [[EOS], [EOS]] and all(g.stopped for g in gens)
         with torch.no_grad():  # uniform logits: nobody stops early, each row uses exactly its own budget
             lm.lm_head.bias.zero_()
-        gens = backend.generate([[1, 4], [1]], [5, 2], SamplingParams(stop_token_ids=(V + 1,)))
+        gens = backend.generate([[1, 4], [1]], [5, 2], SamplingSpec(stop_token_ids=(V + 1,)))
         assert [len(g.token_ids) for g in gens] == [5, 2] and not any(g.stopped for g in gens)
         for g in gens:
             torch.testing.assert_close(torch.tensor(g.log_probs), torch.full((len(g.log_probs),), -torch.log(torch.tensor(float(V)))))
@@ -58,7 +59,7 @@ def test_stop_token_kept_and_budgets_per_row(lm):
 
 def test_top_p_log_probs_are_of_the_truncated_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    params = SamplingParams(temperature=1.0, top_p=0.7)
+    params = SamplingSpec(temperature=1.0, top_p=0.7)
     logp = sampling_log_probs(logits, params)
     probs = torch.softmax(logits, -1)[0]
     # sorted probs 0.61, 0.22, ...: keep the top two (mass before the 2nd is 0.61 < 0.7, before the 3rd 0.83)
@@ -68,19 +69,19 @@ def test_top_p_log_probs_are_of_the_truncated_distribution():
     # and the backend reports those truncated log-probs
     lm = build_causal_lm("llama-tiny", vocab_size=V, max_positions=64, seed=1)
     backend = TransformersBackend(lm, seed=2)
-    gen = backend.generate([[1, 2, 3]], [6], SamplingParams(top_p=0.5))[0]
+    gen = backend.generate([[1, 2, 3]], [6], SamplingSpec(top_p=0.5))[0]
     seq = torch.tensor([[1, 2, 3] + gen.token_ids])
     with torch.no_grad():
         logits = lm(input_ids=seq).logits[0, 2:-1]
-    expected = sampling_log_probs(logits, SamplingParams(top_p=0.5)).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+    expected = sampling_log_probs(logits, SamplingSpec(top_p=0.5)).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
     torch.testing.assert_close(torch.tensor(gen.log_probs), expected, atol=1e-5, rtol=0)
 
 
 def test_left_padding_does_not_change_samples_or_log_probs(lm):
     prompt = [1, 5, 6, 7]
-    alone = TransformersBackend(lm, seed=5).generate([prompt], [6], SamplingParams())[0]
+    alone = TransformersBackend(lm, seed=5).generate([prompt], [6], SamplingSpec())[0]
     # same generator state for row 0 is not guaranteed in a batch, so compare log-probs by teacher forcing
-    batched = TransformersBackend(lm, seed=5).generate([prompt, [1] * 30], [6, 6], SamplingParams())[0]
+    batched = TransformersBackend(lm, seed=5).generate([prompt, [1] * 30], [6, 6], SamplingSpec())[0]
     for gen in (alone, batched):
         torch.testing.assert_close(torch.tensor(gen.log_probs), teacher_forced(lm, prompt, gen, 1.0), atol=1e-5, rtol=0)
 
@@ -109,17 +110,17 @@ def test_critic_initialised_from_actor_and_aligned(lm):
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=0)
+        SamplingSpec(temperature=0)
     with pytest.raises(ValueError, match="neither a preset"):
         build_causal_lm("no-such-model", vocab_size=V, max_positions=8)
     lm = build_causal_lm("llama-tiny", vocab_size=V, max_positions=64)
     with pytest.raises(ValueError, match="budget"):
-        TransformersBackend(lm).generate([[1]], [0], SamplingParams())
+        TransformersBackend(lm).generate([[1]], [0], SamplingSpec())
 
 
 def test_prefix_cache_reuse_is_exact_and_used(lm):
     backend = TransformersBackend(lm, seed=4)
-    params = SamplingParams(temperature=0.9, stop_token_ids=(EOS,))
+    params = SamplingSpec(temperature=0.9, stop_token_ids=(EOS,))
     prompts = [[1, 5, 6, 7], [1, 8], [1, 9, 9, 3, 4, 5, 6]]
     first = backend.generate(prompts, [4, 6, 3], params, cache_keys=["a", "b", "c"])
     # each episode's context grows by its action and an observation; "c" starts over (not an extension)

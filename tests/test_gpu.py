@@ -11,9 +11,10 @@ import torch
 from tensordict import TensorDict
 
 from crl.episode import concat_episodes
-from crl.modules.generation import SamplingParams, TransformersBackend
+from crl.modules.generation import TransformersBackend
 from crl.modules.models import CausalLMLogProbs, ValueModel, actor_module, build_causal_lm, critic_module
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
+from crl.sampling import SamplingSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 V, EOS = 64, 2
@@ -28,7 +29,7 @@ def test_generation_log_probs_equal_teacher_forcing_on_gpu(dtype, max_tol, mean_
     lm = lm_on("cuda", dtype)
     backend = TransformersBackend(lm, seed=7, device="cuda")
     prompts = [[1, 5, 6, 7, 8, 9, 10], [1, 8], [1, 9, 9, 9, 3, 4, 5, 6, 7, 8, 9]]
-    params = SamplingParams(temperature=0.8, stop_token_ids=(EOS,))
+    params = SamplingSpec(temperature=0.8, stop_token_ids=(EOS,))
     gens = backend.generate(prompts, [24, 16, 8], params, cache_keys=[0, 1, 2])
     ext = prompts[0] + gens[0].token_ids + [11, 12, 13]
     gens.append(backend.generate([ext], [12], params, cache_keys=[0])[0])  # through the prefix cache

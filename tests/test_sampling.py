@@ -131,6 +131,91 @@ def test_the_spec_is_the_learners_distribution_and_a_plain_loop_agrees():
             assert (got[row, i].item() == want == -math.inf) or abs(got[row, i].item() - want) < 1e-5, (row, i)
 
 
+def _tiny_lm(vocab=40):
+    torch.manual_seed(4)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_the_learners_log_probs_are_the_specs_on_every_path(monkeypatch, top_p):
+    """Issue 40 item 6: CausalLMLogProbs forms its log-probs through SamplingSpec.log_probs, on the chunked top_p = 1
+    path too, and suppression happens there only (the spec receives the model's raw logits). A spec whose
+    distribution is changed (one token's logit raised) must change the learner's log-probs the same way."""
+    from crl.modules.models import CausalLMLogProbs
+
+    lm, seen = _tiny_lm(), []
+    real = SamplingSpec.log_probs
+
+    def shifted(self, logits):  # another distribution: token 7's logit raised by 2
+        seen.append(logits.detach())
+        return real(self, logits + 2.0 * torch.nn.functional.one_hot(torch.tensor(7), logits.shape[-1]))
+
+    monkeypatch.setattr(SamplingSpec, "log_probs", shifted)
+    spec = SamplingSpec(temperature=0.7, top_p=top_p, suppress_ids=(3, 4))
+    actor = CausalLMLogProbs.from_spec(lm, spec)
+    actor.chunk_size = 5
+    tokens = torch.randint(5, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lp, _ = actor(tokens, torch.ones_like(tokens))
+        want = spec.log_probs(lm(tokens).logits)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    want = torch.where(torch.isneginf(want), torch.full_like(want, actor.OUTSIDE_TOP_P_LOG_PROB), want)
+    torch.testing.assert_close(lp[:, 1:], want, atol=1e-6, rtol=0)
+    # suppression is the spec's alone: the logits it is given still hold the suppressed ids' values
+    assert seen and all(torch.isfinite(x[..., [3, 4]]).all() for x in seen[:-1])
+
+
+@pytest.mark.parametrize("top_p", [0.8, 0.95])
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_nucleus_log_probs_equal_transformers_own_processors(top_p, temperature):
+    """Issue 40 item 6: crl's nucleus distribution (SamplingSpec.log_probs, and the learner's CausalLMLogProbs
+    through it) against an independent computation, transformers' own logits processors as ``generate`` chains them
+    (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper), at every position of a tiny model:
+    the same tokens kept and the same log-probs; the learner reports a token outside the nucleus as
+    OUTSIDE_TOP_P_LOG_PROB and its entropy is the truncated distribution's."""
+    from transformers.generation.logits_process import (LogitsProcessorList, SuppressTokensLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopPLogitsWarper)
+
+    from crl.modules.models import CausalLMLogProbs
+
+    lm, suppress = _tiny_lm(), (3, 4)
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor(list(suppress)), TemperatureLogitsWarper(temperature),
+                                      TopPLogitsWarper(top_p)])
+
+    def logits_of(seq):  # 4 x a fresh model's logits: sharp enough that the nucleus is a real cut
+        with torch.no_grad():
+            return lm(seq).logits[:, :-1] * 4
+
+    def transformers_log_probs(seq, logits):  # [B, T-1, V]: what generate draws position t + 1 from
+        return torch.stack([torch.log_softmax(processors(seq[:, :t + 1], logits[:, t].clone()), -1) for t in range(logits.shape[1])], 1)
+
+    spec = SamplingSpec(temperature=temperature, top_p=top_p, suppress_ids=suppress)
+    random_tokens = torch.randint(5, 40, (3, 16), generator=torch.Generator().manual_seed(1))
+    hf = transformers_log_probs(random_tokens, logits_of(random_tokens))
+    ours = spec.log_probs(logits_of(random_tokens))
+    kept = torch.isfinite(hf)
+    assert torch.equal(torch.isfinite(ours), kept) and (~kept).any() and (kept.sum(-1) > 1).any()
+    torch.testing.assert_close(ours[kept], hf[kept], atol=1e-5, rtol=0)
+
+    # the learner on the raw logits (temperature / 4 = temperature on 4 x logits): random tokens (many outside the
+    # nucleus) and tokens drawn from transformers' distribution (all inside)
+    actor = CausalLMLogProbs(lm, temperature / 4, top_p, suppress)
+    actor.chunk_size = 4
+    drawn, g = random_tokens.clone(), torch.Generator().manual_seed(2)
+    for t in range(drawn.shape[1] - 1):
+        drawn[:, t + 1] = torch.multinomial(transformers_log_probs(drawn, logits_of(drawn))[:, t].exp(), 1, generator=g).squeeze(-1)
+    for seq in (random_tokens, drawn):
+        hf = transformers_log_probs(seq, logits_of(seq))
+        with torch.no_grad():
+            lp, ent = actor(seq, torch.ones_like(seq))
+        want = hf.gather(-1, seq[:, 1:, None]).squeeze(-1)
+        want = torch.where(torch.isneginf(want), torch.full_like(want, actor.OUTSIDE_TOP_P_LOG_PROB), want)
+        torch.testing.assert_close(lp[:, 1:], want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent[:, 1:], -(hf.exp() * hf.masked_fill(torch.isneginf(hf), 0.0)).sum(-1), atol=1e-5, rtol=0)
+    assert (lp[:, 1:] > actor.OUTSIDE_TOP_P_LOG_PROB).all()  # drawn tokens: all inside the nucleus
+
+
 def test_ignored_generation_keys_name_what_shapes_sampling_only():
     from transformers import GenerationConfig
 

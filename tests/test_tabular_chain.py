@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from crl.episode import Provenance, SegmentKind, validate_episodes
-from crl.modules.generation import SamplingParams
 from crl.experiments import tabular_chain as tc
+from crl.sampling import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def test_backend_log_probs_equal_an_independent_computation(temperature, top_p):
     """Every sampled token's log-prob = log of softmax(table logits / T), top-p renormalised, computed here by
     hand from the tables and plain-loop features; at T = 1, top-p = 1 it also equals the teacher-forced pass."""
     policy = _trained_looking_policy()
-    params = SamplingParams(temperature=temperature, top_p=top_p, stop_token_ids=(tc.EOS_ID,))
+    params = SamplingSpec(temperature=temperature, top_p=top_p, stop_token_ids=(tc.EOS_ID,))
     backend = tc.TabularBackend(policy, torch.Generator().manual_seed(3))
     prompts = [tc.encode(p) for p, _ in PROMPTS] * 20
     gens = backend.generate(prompts, [1] * len(prompts), params)
@@ -145,7 +145,7 @@ def test_backend_log_probs_equal_an_independent_computation(temperature, top_p):
 
 def test_backend_greedy_and_refusals():
     policy = _trained_looking_policy()
-    params = SamplingParams(stop_token_ids=(tc.EOS_ID,))
+    params = SamplingSpec(stop_token_ids=(tc.EOS_ID,))
     ids = tc.encode("<sys> <task> next code3 next lamp <summarize>")
     g = tc.TabularBackend(policy, greedy=True).generate([ids], [1], params)[0]
     assert tc.WORDS[g.token_ids[0]] == tc.SUMMARY_WORDS[int(policy.summary[4].argmax())]

@@ -9,14 +9,15 @@ import torch
 
 from _vllm import require_vllm, tiny_checkpoint
 from crl.modules.backends import make_backend
-from crl.modules.generation import SamplingParams, TransformersBackend, sampling_log_probs
+from crl.modules.generation import TransformersBackend, sampling_log_probs
+from crl.sampling import SamplingSpec
 
 pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
 
 # fp32 on this CPU: vLLM's log-probs against a teacher-forced transformers forward of the same weights (measured
 # max 5e-7 at the checkpoint's own weights, 1e-5 after a sync of perturbed weights: vLLM's kernels sum in another order)
 TOL = 5e-5
-PARAMS = SamplingParams(temperature=0.8, top_p=0.9, stop_token_ids=(2,))
+PARAMS = SamplingSpec(temperature=0.8, top_p=0.9, stop_token_ids=(2,))
 PROMPTS = [[5, 6, 7, 8, 9] * k for k in (1, 2, 4)]
 
 
@@ -55,7 +56,7 @@ def teacher_forced_gap(lm, prompts, gens, params=PARAMS) -> float:
 
 def test_behaviour_log_probs_are_the_sampling_distributions(engine, lm):
     """Temperature and top-p applied, every sampled token including the first and the stop token."""
-    for params in (PARAMS, SamplingParams(temperature=1.0, top_p=1.0, stop_token_ids=(2,)), SamplingParams(temperature=0.6, top_p=0.8, stop_token_ids=(2,))):
+    for params in (PARAMS, SamplingSpec(temperature=1.0, top_p=1.0, stop_token_ids=(2,)), SamplingSpec(temperature=0.6, top_p=0.8, stop_token_ids=(2,))):
         gens = engine.generate(PROMPTS, [12, 12, 12], params)
         assert all(1 <= len(g.token_ids) <= 12 and len(g.log_probs) == len(g.token_ids) for g in gens)
         assert teacher_forced_gap(lm, PROMPTS, gens, params) < TOL
@@ -100,7 +101,7 @@ def test_weight_sync_replaces_the_engines_weights(engine, lm, tmp_path):
 def test_stops_only_on_the_stop_tokens_it_is_given(engine, tmp_path):
     """The engine ignores the checkpoint's EOS (generation_config): it stops on crl's stop ids, keeps the stop token
     with its log-prob, and reports stopped only then — as TransformersBackend does."""
-    gens = engine.fork(5).generate(PROMPTS * 4, [40] * 12, SamplingParams(temperature=1.5, stop_token_ids=(9,)))
+    gens = engine.fork(5).generate(PROMPTS * 4, [40] * 12, SamplingSpec(temperature=1.5, stop_token_ids=(9,)))
     for g in gens:
         assert g.stopped == (g.token_ids[-1] == 9) and (9 not in g.token_ids[:-1])
         assert g.stopped or len(g.token_ids) == 40
@@ -228,7 +229,7 @@ def test_a_stop_token_sampled_at_the_length_cap_is_a_stop():
     b.seed, b.requests_sampled, b._engine_state, b.llm = 1, 0, {"asleep": False}, Engine()
     b.settings = EngineSettings()
     b._vllm = NS(SamplingParams=lambda **kw: kw, inputs=NS(TokensPrompt=lambda prompt_token_ids: prompt_token_ids))
-    gens = b.generate([[1], [1], [1]], [2, 2, 2], SamplingParams(stop_token_ids=(2,)))
+    gens = b.generate([[1], [1], [1]], [2, 2, 2], SamplingSpec(stop_token_ids=(2,)))
     assert [g.stopped for g in gens] == [True, False, True]
 
 

@@ -144,14 +144,15 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
     engine's log-probs are the new weights' (the tied LM head's packed copy is rebuilt), and both backends stop on,
     keep and report the same end-of-turn token."""
     require_vllm()
-    from crl.modules.generation import SamplingParams, TransformersBackend, sampling_log_probs
+    from crl.modules.generation import TransformersBackend, sampling_log_probs
     from crl.modules.vllm_backend import EngineSettings, VLLMBackend, export_weights
+    from crl.sampling import SamplingSpec
 
     im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompts = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
                for q in ("Say hi.", "Name a colour.", "What is 2 + 2?")]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
-    params = SamplingParams(temperature=0.7, stop_token_ids=(im_end,))
+    params = SamplingSpec(temperature=0.7, stop_token_ids=(im_end,))
     engine = VLLMBackend(str(smollm2_dir), seed=3, settings=EngineSettings(max_model_len=2048, cpu_kv_cache_gb=0.5))
     try:
         lm = type(smollm2_lm).from_pretrained(smollm2_dir, local_files_only=True).eval()

@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 from crl.compaction import CompactionConfig, CompactionEngine, Decision, EpisodeContext
 from crl.envs.base import StepResult
 from crl.episode import EpisodeStatus, build_episode, concat_episodes, terminal_outcome, validate_episodes
-from crl.modules.generation import GenerationBackend, SamplingParams
+from crl.modules.generation import GenerationBackend
+from crl.sampling import SamplingSpec
 from crl.streams import rollout_id
 
 
@@ -244,7 +245,7 @@ class CompactionCollector(EpisodeStream):
         *,
         episodes_per_batch: int,
         total_batches: int = -1,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingSpec | None = None,
         max_action_tokens: int = 16,
         summary_backend: GenerationBackend | None = None,
         rank: int = 0,
@@ -274,9 +275,9 @@ class CompactionCollector(EpisodeStream):
         self.engine = CompactionEngine(compaction, encode, eos_id=eos_id, **(engine_kwargs or {}))
         self.episodes_per_batch, self.total_batches = episodes_per_batch, total_batches
         stop = (eos_id,)
-        self.sampling = sampling or SamplingParams(stop_token_ids=stop)
+        self.sampling = sampling or SamplingSpec(stop_token_ids=stop)
         if eos_id not in self.sampling.stop_token_ids:
-            self.sampling = SamplingParams(self.sampling.temperature, self.sampling.top_p, tuple(self.sampling.stop_token_ids) + stop)
+            self.sampling = SamplingSpec(self.sampling.temperature, self.sampling.top_p, tuple(self.sampling.stop_token_ids) + stop)
         self.max_action_tokens = max_action_tokens
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.tasks_in_order, self.step_timeout, self.progress = tasks_in_order, step_timeout, progress

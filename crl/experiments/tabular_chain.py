@@ -78,9 +78,10 @@ from crl.collectors import CompactionCollector
 from crl.compaction import CompactionConfig
 from crl.envs.memory_chain import NOUNS, MemoryChainSuite
 from crl.episode import EpisodeStatus, Provenance
-from crl.modules.generation import Generation, SamplingParams, sampling_log_probs
+from crl.modules.generation import Generation, sampling_log_probs
 from crl.modules.models import MODEL_IN_KEYS, critic_module
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
+from crl.sampling import SamplingSpec
 
 __all__ = [
     "VOCAB",
@@ -353,7 +354,7 @@ class TabularBackend:
         self.policy.load_state_dict(state_dict)
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
+    def generate(self, prompts, max_new_tokens, params: SamplingSpec, cache_keys=None) -> list[Generation]:
         n = len(prompts)
         if len(max_new_tokens) != n:
             raise ValueError(f"{n} prompts but {len(max_new_tokens)} token budgets")

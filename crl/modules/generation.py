@@ -23,8 +23,6 @@ from torch import nn
 from crl.sampling import SamplingSpec
 
 
-SamplingParams = SamplingSpec  # the name the backends have always taken; the one definition is crl/sampling.py
-
 
 @dataclass
 class Generation:
@@ -55,7 +53,7 @@ class GenerationBackend(Protocol):
     policy_version: int
     generator: SamplerState
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingParams, cache_keys=None) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingSpec, cache_keys=None) -> list[Generation]:
         """Sample one continuation per prompt, at most ``max_new_tokens[i]`` tokens for prompt ``i``.
 
         ``cache_keys`` (optional, one hashable per prompt, e.g. the episode id) lets a backend reuse the keys
@@ -144,7 +142,7 @@ class TransformersBackend:
         return len(hit[0])
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
+    def generate(self, prompts, max_new_tokens, params: SamplingSpec, cache_keys=None) -> list[Generation]:
         n = len(prompts)
         if n == 0:
             return []

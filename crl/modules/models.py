@@ -70,8 +70,9 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 class CausalLMLogProbs(nn.Module):
     """Teacher-forced per-token log-probs and entropies of the distribution the sampler draws from.
 
-    That distribution is :func:`crl.modules.generation.sampling_log_probs` (temperature, then top-p truncation
-    and renormalisation) applied to this model's logits, so with the sampler's ``temperature`` and ``top_p`` the
+    That distribution is :meth:`crl.sampling.SamplingSpec.log_probs` (suppressed ids, temperature, then top-p
+    truncation and renormalisation) applied to this model's logits, on every path (:func:`chunked_log_probs`, the
+    ``alternatives`` positions), so with the sampler's ``temperature`` and ``top_p`` the
     learner's log-prob of a sampled token equals its behaviour log-prob before the first update (PPO ratio
     exactly 1). ``entropy`` is the entropy of that same (truncated) distribution.
 
@@ -93,7 +94,7 @@ class CausalLMLogProbs(nn.Module):
     """
 
     OUTSIDE_TOP_P_LOG_PROB = -100.0
-    chunk_size = 128  # positions per chunk of the top_p=1 fast path
+    chunk_size = 128  # positions per chunk of chunked_log_probs
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()):
         super().__init__()
@@ -116,19 +117,12 @@ class CausalLMLogProbs(nn.Module):
         attention_mask = attention_mask.long()
         out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
         logits = out.logits
-        if self.suppress_ids:
-            logits = logits.index_fill(-1, torch.tensor(self.suppress_ids, device=logits.device), float("-inf"))
-        if self.top_p == 1:  # fast path: never materialises [B, T, V] log-probs (see chunked_log_probs)
-            log_prob, entropy = chunked_log_probs(logits, tokens, self.temperature, self.chunk_size)
-            if self.suppress_ids:  # a suppressed id in the context (padding included) is never sampled: see top-p below
-                log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
-        else:
-            logp_all = _shift(self.sampling.log_probs(logits))
-            outside = torch.isneginf(logp_all)
-            p_all = logp_all.exp()  # exactly 0 outside the top-p set, and so is its gradient
-            entropy = -(p_all * logp_all.masked_fill(outside, 0.0)).sum(-1)
-            log_prob = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
+        # the distribution is SamplingSpec.log_probs (suppression, temperature, top-p: applied there, once), formed a
+        # chunk of positions at a time: never a [B, T, V] log-prob tensor (see chunked_log_probs)
+        log_prob, entropy = chunked_log_probs(logits, tokens, self.sampling, self.chunk_size)
+        # a token the sampler could not draw (outside the top-p set, or a suppressed id such as padding in the
+        # context) has log-prob -inf: reported as OUTSIDE_TOP_P_LOG_PROB so masked arithmetic and gradients stay finite
+        log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
         keep = attention_mask.bool()
         keep[:, 0] = False
         if alternatives is None:
@@ -142,22 +136,23 @@ class CausalLMLogProbs(nn.Module):
         return log_prob * keep, entropy * keep, log_prob_set, per_alternative
 
 
-def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # the same ops as sampling_log_probs(top_p=1)
-    finite = logp.masked_fill(torch.isneginf(logp), 0.0)  # suppressed ids: p = 0 contributes 0 (not 0 * -inf)
+def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, spec: SamplingSpec):
+    logp = spec.log_probs(logits)  # the sampler's distribution, from the one definition (crl/sampling.py)
+    finite = logp.masked_fill(torch.isneginf(logp), 0.0)  # excluded ids: p = 0 contributes 0 (not 0 * -inf)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * finite).sum(-1)
 
 
-def chunked_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_size: int = 128):
-    """``(log_prob, entropy)`` ``[B, T]`` of ``softmax(logits / temperature)``, shifted (0 at t = 0), computed over
-    chunks of ``chunk_size`` positions.
+def chunked_log_probs(logits: torch.Tensor, tokens: torch.Tensor, spec: SamplingSpec, chunk_size: int = 128):
+    """``(log_prob, entropy)`` ``[B, T]`` of ``spec.log_probs(logits)`` (:meth:`crl.sampling.SamplingSpec.log_probs`:
+    suppression, temperature, top-p), shifted (0 at t = 0), computed over chunks of ``chunk_size`` positions.
+    Log-probs of tokens outside the distribution are ``-inf``.
 
     The full-vocabulary ``log_softmax`` is the learner's memory hot spot (SmolLM2: 49,152 entries per token; a
     4 x 512 batch holds 0.4 GB per [B, T, V] fp32 tensor, and the unchunked path keeps about four of them alive
     for backward). Here each chunk's log-probs live only inside the chunk; with gradients on, each chunk runs under
     activation checkpointing, so backward recomputes it instead of storing it: the only [B, T, V] tensor left is
-    the model's own ``logits``. Per row the arithmetic is identical to the unchunked path (same ops), so the
-    results agree to float rounding (tested <= 1e-6).
+    the model's own ``logits``. Per row the arithmetic is the spec's own (each row's distribution depends on that
+    row's logits only), so the results equal the unchunked ``spec.log_probs`` to float rounding (tested <= 1e-6).
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -170,7 +165,7 @@ def chunked_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: f
     grad = torch.is_grad_enabled() and logits.requires_grad
     for start in range(0, T - 1, chunk_size):
         z, y = src[:, start:start + chunk_size], tgt[:, start:start + chunk_size]
-        lp, ent = checkpoint(_chunk_log_probs, z, y, temperature, use_reentrant=False) if grad else _chunk_log_probs(z, y, temperature)
+        lp, ent = checkpoint(_chunk_log_probs, z, y, spec, use_reentrant=False) if grad else _chunk_log_probs(z, y, spec)
         lps.append(lp)
         ents.append(ent)
     return F.pad(torch.cat(lps, dim=1), (1, 0)), F.pad(torch.cat(ents, dim=1), (1, 0))

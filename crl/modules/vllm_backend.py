@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from crl.modules.generation import Generation, SamplingParams
+from crl.modules.generation import Generation
+from crl.sampling import SamplingSpec
 from crl.streams import stream_seed
 
 __all__ = ["EngineSettings", "VLLMBackend", "claim_weights_dir", "default_weights_base", "export_weights", "remove_stale_weights_dirs",
@@ -320,7 +321,7 @@ class VLLMBackend:
         the very stream it saved — also one forked with a fresh seed after a resume with another world size."""
         return _RequestCounterState(self)
 
-    def generate(self, prompts, max_new_tokens, params: SamplingParams, cache_keys=None) -> list[Generation]:
+    def generate(self, prompts, max_new_tokens, params: SamplingSpec, cache_keys=None) -> list[Generation]:
         vllm = self._vllm
         if len(prompts) == 0:
             return []
