@@ -1,10 +1,12 @@
-#!/usr/bin/env python
 """Independent evidence audit of a crl training run (docs/design.md §8).
 
-Usage::
+Usage (``scripts/audit.py`` is a thin command line over :func:`main`)::
 
     python scripts/audit.py RUN_DIR [--tolerance 5e-5]
 
+Independent of the trainer: this module imports nothing of crl's estimator, loss or learner (``crl.objectives``,
+``crl.learner``, ``crl.training``, ``crl.trainer``), directly or through another crl module; it recomputes what it
+checks with its own plain loops (tests/test_audit.py checks its import graph).
 Reads only what the run saved under ``RUN_DIR``, runs every check below, writes ``RUN_DIR/audit.json`` and
 ``RUN_DIR/audit.md`` (each check, its measured value, PASS/FAIL, and sizes + SHA-256 of the evidence), prints one
 line per check and exits 0 only when every check passes. Exit 1: some check failed or evidence is missing;
@@ -960,7 +962,7 @@ class Audit:
             "checks": [{"name": c.name, "status": "PASS" if c.passed else "FAIL", "measured": c.measured,
                         "detail": c.detail} for c in self.checks],
             "files": self.files,
-            "auditor": {"script": str(Path(__file__).resolve()), "sha256": sha256_file(Path(__file__))},
+            "auditor": {"module": str(Path(__file__).resolve()), "sha256": sha256_file(Path(__file__))},
         }
 
     @staticmethod
