@@ -1,5 +1,6 @@
-"""The evidence audit (scripts/audit.py, docs/design.md §8): a clean run passes, every doctored run fails by name."""
-import importlib.util
+"""The evidence audit (crl/audit.py, its command line scripts/audit.py; docs/design.md §8): a clean run passes, every
+doctored run fails by name."""
+import ast
 import json
 import shutil
 import subprocess
@@ -11,21 +12,11 @@ import pytest
 import torch
 
 from _evidence_factory import ITERATION, edit_json, edit_rows, ev, make_run
+import crl.audit as audit
 from crl.episode import EpisodeStatus, Provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "audit.py"
-
-
-def _load_audit():
-    spec = importlib.util.spec_from_file_location("crl_audit_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-audit = _load_audit()
 
 
 @pytest.fixture(scope="module")
@@ -408,13 +399,81 @@ def test_independent_gae_matches_eq15():
     assert audit.segment_lambda(dict(lmbda=None, alpha=1.5, lambda_length="segment"), 0, 10) == 0.0
 
 
-def test_audit_source_does_not_import_objectives():
-    import ast
+# What the audit must not import, directly or through another crl module: the estimator, the loss, the learner and
+# the trainer that uses them (it recomputes what it checks with its own plain loops).
+NOT_IMPORTED_BY_THE_AUDIT = ("crl.objectives", "crl.learner", "crl.training", "crl.trainer")
 
-    tree = ast.parse(SCRIPT.read_text())
-    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert names and not any(m.startswith("crl.objectives") for m in names)
+
+def crl_sources() -> dict[str, str]:
+    """Every crl module's source by dotted name (a package by its ``__init__.py``)."""
+    out = {}
+    for path in (ROOT / "crl").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path.read_text()
+    return out
+
+
+def crl_imports(start: str, sources: dict[str, str]) -> dict[str, str | None]:
+    """Every crl module that importing ``start`` can execute, each with the module that imports it (``start``: None):
+    its imports at any depth, lazy ones (inside functions) included, and the parent packages of each (importing
+    ``crl.a.b`` runs ``crl/a/__init__.py``); ``from crl.a import b`` counts ``crl.a.b`` when that is a module."""
+
+    def imported(name: str):
+        for node in ast.walk(ast.parse(sources[name], name)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against the importing module's package
+                    package = name.split(".")[: len(name.split(".")) - node.level + (name in packages)]
+                    base = ".".join(package + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                yield from (m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in sources)
+
+    packages = {n for n in sources if any(m.startswith(n + ".") for m in sources)}
+    seen, todo = {start: None}, [start]
+    while todo:
+        name = todo.pop()
+        for target in imported(name):
+            if target not in seen:
+                seen[target] = name
+                todo.append(target)
+    return seen
+
+
+def forbidden_imports(reached: dict[str, str | None]) -> list[str]:
+    """The reached modules the audit must not import, each as its import chain (``crl.audit -> ... -> module``)."""
+    def chain(m):
+        return chain(reached[m]) + [m] if reached[m] is not None else [m]
+
+    return [" -> ".join(chain(m)) for m in sorted(reached) if any(m == f or m.startswith(f + ".") for f in NOT_IMPORTED_BY_THE_AUDIT)]
+
+
+def test_the_audit_imports_nothing_of_the_estimator_loss_or_learner():
+    """crl.audit's imports, followed through every crl module they reach (lazy imports included), never reach
+    crl.objectives, crl.learner, crl.training or crl.trainer. Complements test_cli_clean_run_passes, which sees only
+    the modules one clean run happens to import."""
+    reached = crl_imports("crl.audit", crl_sources())
+    assert "crl.modules.models" in reached  # the graph sees the lazy import of the checkpoint check (ValueModel)
+    found = forbidden_imports(reached)
+    assert not found, "the audit imports the trainer's estimator/loss/learner:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("added, through", [
+    ("from crl.objectives.ppo import CompactionPPOLoss", None),  # direct
+    ("from crl.evaluation import evaluate_policy", "crl.evaluation"),  # transitive: crl.evaluation reaches crl.objectives
+])
+def test_the_import_check_fails_when_the_audit_imports_the_estimator(added, through):
+    """The check above, on crl.audit's source with one lazy import added: it names the chain to the estimator."""
+    sources = crl_sources()
+    sources["crl.audit"] += f"\n\ndef _doctored():\n    {added}\n"
+    found = forbidden_imports(crl_imports("crl.audit", sources))
+    assert found and all(f.startswith("crl.audit -> ") for f in found)
+    assert through is None or any(f.startswith(f"crl.audit -> {through} -> ") for f in found), found
 
 
 # ------------------------------------------------------------------------------------------------------------
