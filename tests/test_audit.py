@@ -416,7 +416,7 @@ def crl_sources() -> dict[str, str]:
 def crl_imports(start: str, sources: dict[str, str]) -> dict[str, str | None]:
     """Every crl module that importing ``start`` can execute, each with the module that imports it (``start``: None):
     its imports at any depth, lazy ones (inside functions) included, and the parent packages of each (importing
-    ``crl.a.b`` runs ``crl/a/__init__.py``); ``from crl.a import b`` counts ``crl.a.b`` when that is a module."""
+    ``crl.a.b`` runs the ``__init__.py`` of ``crl.a``); ``from crl.a import b`` counts ``crl.a.b`` when that is a module."""
 
     def imported(name: str):
         for node in ast.walk(ast.parse(sources[name], name)):
