@@ -12,8 +12,10 @@ Two modes (``SANDBOX_MODES``):
   PID, IPC and UTS namespaces, a minimal ``/proc`` and ``/dev``, a cleared environment. The code runs as uid
   ``SANDBOX_UID`` (nobody).
 
-Both modes install a seccomp filter (:func:`seccomp_filter`) in the prelude: the syscalls of :data:`DENIED_SYSCALLS`
-(keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts, namespaces, kexec, modules) return ``EPERM``.
+Both modes install a seccomp filter built with libseccomp (:func:`seccomp_filter`) in the prelude: the syscalls of
+:data:`DENIED_SYSCALLS` (keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts, ``unshare``, ``setns``,
+kexec, modules) and ``clone`` with any ``CLONE_NEW*`` flag return ``EPERM``, ``clone3`` returns ``ENOSYS`` (glibc then
+uses ``clone``): no way into a new namespace is left to tool code, whatever bwrap version or uid runs it.
 * ``"none"``: the same limits, timeout and output cap on a plain subprocess in a temporary directory, **without any
   isolation**: the code can read and write whatever the caller can and reach the network (the caller warns).
 
@@ -44,6 +46,7 @@ exception here; only our own misconfiguration raises (``SandboxUnavailable``, ``
 """
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -209,52 +212,71 @@ os.execv(python, [python, "-I", "-B", "-X", "utf8", code])
 # Syscalls tool code never needs and attack code wants (issue 28; flatpak's and nsjail's lists): the kernel keyring
 # (state shared between calls of one uid), io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts and the new
 # mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot. Denied with EPERM, never a kill.
-# name -> (x86_64, aarch64) number: x86_64 from arch/x86/entry/syscalls/syscall_64.tbl, aarch64 from the generic
-# table (include/uapi/asm-generic/unistd.h)
-_DENIED_NUMBERS = {
-    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219), "io_uring_setup": (425, 425),
-    "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "bpf": (321, 280), "perf_event_open": (298, 241),
-    "userfaultfd": (323, 282), "ptrace": (101, 117), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
-    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
-    "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
-    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
-    "swapoff": (168, 225), "reboot": (169, 142), "memfd_create": (319, 279),
-}
+DENIED_SYSCALLS = (
+    "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
+    "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen",
+    "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load", "kexec_file_load", "init_module",
+    "finit_module", "delete_module", "swapon", "swapoff", "reboot",
+)
 # memfd_create is denied only where no cgroup bounds the call (FALLBACK_DENIED): an anonymous file is memory no
 # rlimit counts, so without the call's cgroup 128 of them held 2 GB (issue 28); with it they are charged to the call
 FALLBACK_DENIED = ("memfd_create",)
-DENIED_SYSCALLS = tuple(name for name in _DENIED_NUMBERS if name not in FALLBACK_DENIED)
-# machine -> (AUDIT_ARCH_*, its syscall numbers)
-_SYSCALL_TABLES = {machine: (arch, {name: nrs[i] for name, nrs in _DENIED_NUMBERS.items()})
-                   for i, (machine, arch) in enumerate((("x86_64", 0xC000003E), ("aarch64", 0xC00000B7)))}
+# clone with any of these flags is a way into a new namespace: EPERM (one masked-equality rule per flag). CLONE_NEWTIME
+# (0x80) exists only for clone3 and unshare: in clone's flags those bits are the exit signal.
+CLONE_NAMESPACE_FLAGS = {
+    "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000, "CLONE_NEWIPC": 0x08000000,
+    "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000, "CLONE_NEWNET": 0x40000000,
+}
+# clone3 passes its flags in memory, which a seccomp filter cannot read: every clone3 gets ENOSYS, on which glibc
+# (>= 2.34: threads, fork, posix_spawn) falls back to clone, where the rule above applies; EPERM would fail them instead.
+CLONE3_ERRNO = errno.ENOSYS
+# The architectures whose clone takes its flags as the first argument, as the masked rule reads it (s390's do not).
+SECCOMP_MACHINES = {"x86_64": "X86_64", "aarch64": "AARCH64"}
 
 
 @functools.lru_cache(maxsize=None)
 def seccomp_filter(machine: str | None = None, fallback: bool = False) -> bytes:
-    """The classic-BPF seccomp program (``struct sock_filter[]``, native byte order) the prelude installs with
-    ``prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER)``: another architecture than this machine's (e.g. i386 through
-    ``int 0x80``) and, on x86_64, the x32 ABI (numbers >= 2^30) get ``EPERM`` for every call; each of
-    :data:`DENIED_SYSCALLS` (with ``fallback``, when no cgroup bounds the call's memory, also :data:`FALLBACK_DENIED`)
-    gets ``EPERM``; everything else is allowed. Empty (no filter) on a machine without a
-    table here. Written by hand rather than with libseccomp: 30 instructions, no system package for CI to install."""
-    import platform
-    import struct
+    """The seccomp program (classic BPF, ``struct sock_filter[]``) the prelude installs with
+    ``prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER)``, built by libseccomp for ``machine`` (default: this one's):
+    :data:`DENIED_SYSCALLS` (with ``fallback``, when no cgroup bounds the call's memory, also
+    :data:`FALLBACK_DENIED`) and ``clone`` with any of :data:`CLONE_NAMESPACE_FLAGS` get ``EPERM``, ``clone3``
+    gets ``ENOSYS`` (:data:`CLONE3_ERRNO`); another architecture (e.g. i386 through ``int 0x80``) and, on x86_64,
+    the x32 ABI get ``EPERM`` for every call; everything else is allowed.
 
-    arch, numbers = _SYSCALL_TABLES.get(machine or platform.machine(), (None, None))
-    if arch is None:
-        return b""
-    LD_ABS, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, ..|BPF_JGE|.., BPF_RET|BPF_K
-    ALLOW, EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
-    body = [(LD_ABS, 0, 0, 4), (JEQ, 0, None, arch), (LD_ABS, 0, 0, 0)]  # seccomp_data.arch at 4, .nr at 0
-    if arch == 0xC000003E:
-        body.append((JGE, None, 0, 0x40000000))  # __X32_SYSCALL_BIT
-    body += [(JEQ, None, 0, numbers[name]) for name in DENIED_SYSCALLS + (FALLBACK_DENIED if fallback else ())]
-    deny = len(body) + 1  # body, then RET ALLOW, then RET EPERM
-    prog = []
-    for i, (code, jt, jf, k) in enumerate(body):  # None: a jump to the EPERM return (relative to the next instruction)
-        prog.append((code, deny - i - 1 if jt is None else jt, deny - i - 1 if jf is None else jf, k))
-    prog += [(RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
-    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    libseccomp (what nsjail, flatpak, systemd and the container runtimes build their filters with) resolves the
+    names per architecture, adds the architecture and x32 checks, and compiles argument rules. The binding is
+    ``pyseccomp`` from PyPI: pure Python over the system's libseccomp.so.2 (on every Debian and Ubuntu: apt
+    depends on it), API-compatible with libseccomp's own Python bindings, which exist only as a distribution
+    package (Debian's python3-seccomp) for the system interpreter and so cannot be imported from crl's venv."""
+    import platform
+
+    machine = machine or platform.machine()
+    if machine not in SECCOMP_MACHINES:
+        raise SandboxUnavailable(
+            f"no syscall filter for {machine}: crl's seccomp rules (clone's flags as its first argument) are "
+            f"checked for {', '.join(SECCOMP_MACHINES)} only; run tool code on one of those")
+    try:
+        import pyseccomp as sc
+    except (ImportError, RuntimeError, OSError) as e:  # RuntimeError: pyseccomp found no libseccomp.so.2
+        raise SandboxUnavailable(
+            f"the sandbox's syscall filter needs libseccomp through pyseccomp ({e}): `pip install pyseccomp` "
+            "(make setup does) and `apt-get install libseccomp2`") from None
+    eperm = sc.ERRNO(errno.EPERM)
+    f = sc.SyscallFilter(sc.ALLOW)
+    f.set_attr(sc.Attr.ACT_BADARCH, eperm)
+    arch = getattr(sc.Arch, SECCOMP_MACHINES[machine])
+    if arch != sc.system_arch():
+        f.add_arch(arch)
+        f.remove_arch(sc.Arch.NATIVE)
+    for name in DENIED_SYSCALLS + (FALLBACK_DENIED if fallback else ()):
+        f.add_rule(eperm, name)
+    for flag in CLONE_NAMESPACE_FLAGS.values():
+        f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    f.add_rule(sc.ERRNO(CLONE3_ERRNO), "clone3")
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
 
 
 def _minimal_env(home: str, tmp: str) -> dict[str, str]:
@@ -492,7 +514,7 @@ class Sandbox:
             args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
             args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
-            if "--disable-userns" in opts:
+            if "--disable-userns" in opts:  # bwrap >= 0.8; older ones: the seccomp filter alone denies new namespaces
                 args += ["--disable-userns"]
         return args + ["--", *self._prelude(root, 0, CODE_PATH, fallback)]
 
@@ -668,6 +690,7 @@ def check_sandbox(mode: str, *, bwrap: str | None = None, python: str = sys.exec
         raise ValueError(f"unknown sandbox mode {mode!r}: use one of {SANDBOX_MODES} (tools.sandbox)")
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise SandboxUnavailable(f"the sandbox's python {python!r} is not an executable file")
+    seccomp_filter()  # both modes: libseccomp is there and knows this machine (else SandboxUnavailable, with the fix)
     if mode == "none":
         return
     path = _resolve_bwrap(bwrap)

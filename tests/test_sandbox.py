@@ -595,20 +595,63 @@ def test_dangerous_syscalls_get_eperm(mode, request, monkeypatch):
     assert any(v != "EPERM" for k, v in without.items() if k != "getpid"), without
 
 
-def _run_bpf(prog: bytes, arch: int, nr: int) -> int:
-    """A plain classic-BPF interpreter for the four instructions a seccomp filter here uses."""
+# Syscall numbers from the kernel's own tables, not from crl (which names syscalls and lets libseccomp resolve them):
+# x86_64 from arch/x86/entry/syscalls/syscall_64.tbl, aarch64 from include/uapi/asm-generic/unistd.h.
+_KERNEL_SYSCALL_NUMBERS = {
+    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219), "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "bpf": (321, 280), "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282), "ptrace": (101, 117), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
+    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
+    "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
+    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
+    "swapoff": (168, 225), "reboot": (169, 142), "memfd_create": (319, 279), "clone": (56, 220), "clone3": (435, 435),
+}
+# include/uapi/linux/sched.h
+_CLONE_NEW = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
+              "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000, "CLONE_NEWNET": 0x40000000}
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_EPERM, _ENOSYS = _RET_ERRNO | 1, _RET_ERRNO | 38
+
+
+def test_the_syscall_table_matches_the_kernel_headers():
+    """The test's table above, checked against this machine's kernel headers where installed (linux-libc-dev)."""
+    for i, header in enumerate(("/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm-generic/unistd.h")):
+        if not os.path.exists(header):
+            continue
+        text = Path(header).read_text()
+        for name, nrs in _KERNEL_SYSCALL_NUMBERS.items():
+            m = __import__("re").search(rf"^#define __NR_{name}\s+(\d+)\b", text, __import__("re").M)
+            assert m and int(m.group(1)) == nrs[i], (header, name, m and m.group(0))
+
+
+def _run_bpf(prog: bytes, arch: int, nr: int, args: tuple = ()) -> int:
+    """A plain classic-BPF interpreter (the instructions libseccomp emits) over a ``struct seccomp_data``."""
     import struct
 
+    data = struct.pack("<IIQ6Q", nr, arch, 0, *(tuple(args) + (0,) * (6 - len(args))))
     ins = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
-    data, acc, pc = {0: nr, 4: arch}, 0, 0
+    acc, x, mem, pc = 0, 0, [0] * 16, 0
     while True:
         code, jt, jf, k = ins[pc]
-        if code == 0x20:
-            acc, pc = data[k], pc + 1
-        elif code in (0x15, 0x35):
-            hit = acc == k if code == 0x15 else acc >= k
-            pc += 1 + (jt if hit else jf)
-        elif code == 0x06:
+        pc += 1
+        if code == 0x20:  # LD W ABS
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif code == 0x60:  # LD MEM
+            acc = mem[k]
+        elif code == 0x02:  # ST
+            mem[k] = acc
+        elif code == 0x54:  # ALU AND K
+            acc &= k
+        elif code == 0x07:  # TAX
+            x = acc
+        elif code == 0x87:  # TXA
+            acc = x
+        elif code in (0x15, 0x25, 0x35, 0x45):  # JEQ, JGT, JGE, JSET with K
+            hit = {0x15: acc == k, 0x25: acc > k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if hit else jf
+        elif code == 0x05:  # JA
+            pc += k
+        elif code == 0x06:  # RET K
             return k
         else:
             raise AssertionError(f"unexpected BPF opcode {code:#x}")
@@ -616,25 +659,166 @@ def _run_bpf(prog: bytes, arch: int, nr: int) -> int:
 
 @pytest.mark.parametrize("machine, arch", [("x86_64", 0xC000003E), ("aarch64", 0xC00000B7)])
 def test_the_seccomp_program_denies_exactly_the_list(machine, arch):
-    """Every syscall number 0..1023 run through the program by a separate BPF interpreter: EPERM exactly for
-    DENIED_SYSCALLS' numbers; another architecture and (x86_64) the x32 ABI always EPERM."""
-    from crl.sandbox import _SYSCALL_TABLES, DENIED_SYSCALLS, seccomp_filter
+    """Every syscall number 0..1023 run through libseccomp's program by a separate BPF interpreter, the expected
+    numbers from the kernel's tables: EPERM exactly for the denied list (fallback: memfd_create too), ENOSYS for
+    clone3, clone EPERM with each CLONE_NEW* flag (whatever else is set) and allowed as fork and thread creation use
+    it; another architecture and (x86_64) the x32 ABI always EPERM."""
+    from crl.sandbox import DENIED_SYSCALLS, FALLBACK_DENIED, SandboxUnavailable, seccomp_filter
 
-    prog, eperm, allow = seccomp_filter(machine), 0x00050001, 0x7FFF0000
-    denied = {_SYSCALL_TABLES[machine][1][name] for name in DENIED_SYSCALLS}
-    assert len(denied) == len(DENIED_SYSCALLS)
-    for nr in range(1024):
-        assert _run_bpf(prog, arch, nr) == (eperm if nr in denied else allow), nr
-    assert _run_bpf(prog, 0x40000003, 20) == eperm  # i386 (int 0x80)
+    i = ("x86_64", "aarch64").index(machine)
+    nr = {name: nrs[i] for name, nrs in _KERNEL_SYSCALL_NUMBERS.items()}
+    expected_names = {"add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
+                      "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree",
+                      "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load",
+                      "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot"}
+    assert set(DENIED_SYSCALLS) == expected_names and set(FALLBACK_DENIED) == {"memfd_create"}
+    for fallback in (False, True):
+        prog = seccomp_filter(machine, fallback=fallback)
+        denied = {nr[n] for n in expected_names | ({"memfd_create"} if fallback else set())}
+        for n in range(1024):
+            want = _EPERM if n in denied else _ENOSYS if n == nr["clone3"] else _RET_ALLOW
+            assert _run_bpf(prog, arch, n) == want, (fallback, n)
+    prog = seccomp_filter(machine)
+    fork, thread = 0x01200011, 0x003D0F00  # glibc's fork(): SIGCHLD|CHILD_SETTID|CHILD_CLEARTID; pthread_create's
+    for flags in (fork, thread, 0x80, 0xFFFFFFFF00000000 | fork):
+        assert _run_bpf(prog, arch, nr["clone"], (flags,)) == _RET_ALLOW, hex(flags)
+    for name, flag in _CLONE_NEW.items():
+        for flags in (flag, flag | fork, flag | thread, flag | 0xFFFFFFFF00000000):
+            assert _run_bpf(prog, arch, nr["clone"], (flags,)) == _EPERM, (name, hex(flags))
+    assert _run_bpf(prog, arch, nr["clone3"], (0, 64)) == _ENOSYS
+    assert _run_bpf(prog, 0x40000003, 20) == _EPERM  # i386 (int 0x80)
     if machine == "x86_64":
-        assert _run_bpf(prog, arch, 0x40000000 + 1) == eperm  # x32
-    assert seccomp_filter("mips") == b""
-    from crl.sandbox import FALLBACK_DENIED
+        assert _run_bpf(prog, arch, 0x40000000 + nr["unshare"]) == _EPERM  # x32
+        assert _run_bpf(prog, arch, 0x40000000 + 39) == _EPERM
+    with pytest.raises(SandboxUnavailable, match="no syscall filter for s390x"):
+        seccomp_filter("s390x")
 
-    fallback = denied | {_SYSCALL_TABLES[machine][1][name] for name in FALLBACK_DENIED}  # no cgroup: memfd_create too
-    assert len(fallback) == len(denied) + 1
-    for nr in range(1024):
-        assert _run_bpf(seccomp_filter(machine, fallback=True), arch, nr) == (eperm if nr in fallback else allow), nr
+
+# Every way into a new namespace, tried from tool code (x86_64 numbers, flags from the kernel's headers above). A
+# clone that gets through returns 0 in its child, which exits at once. Threads and subprocesses first: glibc makes
+# them with clone3 and must fall back to clone on the filter's ENOSYS.
+_NAMESPACE_ESCAPES = r"""
+import ctypes, errno, json, os, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+CLONE, CLONE3, UNSHARE, SETNS = %(nrs)r
+FLAGS = %(flags)r
+res = {}
+box = []
+t = threading.Thread(target=box.append, args=(1,))
+t.start(); t.join()
+res["thread"] = "ok" if box == [1] else "failed"
+res["subprocess"] = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True).stdout.strip()
+
+def attempt(nr, *args, clone=False):
+    ctypes.set_errno(0)
+    r = libc.syscall(nr, *args)
+    if clone and r == 0:
+        os._exit(0)  # the child of a clone that got through
+    if clone and r > 0:
+        os.waitpid(r, 0)
+    return "ok" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+
+for name, flag in FLAGS.items():
+    res["clone " + name] = attempt(CLONE, ctypes.c_ulong(flag | 17), None, None, None, None, clone=True)
+    args = (ctypes.c_uint64 * 8)(flag, 0, 0, 0, 17, 0, 0, 0)  # struct clone_args: flags, ..., exit_signal SIGCHLD
+    res["clone3 " + name] = attempt(CLONE3, ctypes.byref(args), ctypes.c_size_t(64), clone=True)
+args = (ctypes.c_uint64 * 8)(0x80, 0, 0, 0, 17, 0, 0, 0)
+res["clone3 CLONE_NEWTIME"] = attempt(CLONE3, ctypes.byref(args), ctypes.c_size_t(64), clone=True)
+for ns in ("user", "mnt", "net", "pid", "ipc", "uts", "cgroup", "time"):
+    try:
+        fd = os.open("/proc/self/ns/" + ns, os.O_RDONLY)
+    except OSError:
+        continue
+    res["setns " + ns] = attempt(SETNS, fd, 0)
+for name, flag in dict(FLAGS, CLONE_NEWTIME=0x80).items():
+    res["unshare " + name] = attempt(UNSHARE, ctypes.c_ulong(flag))
+print(json.dumps(res))
+""" % {"nrs": tuple(_KERNEL_SYSCALL_NUMBERS[n][0] for n in ("clone", "clone3", "unshare", "setns")), "flags": _CLONE_NEW}
+
+
+def _escapes_denied(res: dict) -> None:
+    assert res.pop("thread") == "ok" and res.pop("subprocess") == "ok", res
+    assert sum(k.startswith("setns ") for k in res) >= 7, res
+    assert len(res) >= 7 + 8 + 8 + 7, res
+    want = {k: "ENOSYS" if k.startswith("clone3 ") else "EPERM" for k in res}
+    assert res == want, {k: v for k, v in res.items() if want[k] != v}
+
+
+@pytest.mark.parametrize("mode", ["none", "bwrap"])
+def test_no_way_into_a_namespace_as_root(mode, request):
+    """clone with each CLONE_NEW* flag, clone3, unshare, setns: EPERM (clone3 ENOSYS) from tool code started by a root
+    caller, in both modes; threads and subprocesses still start. (b76b240's filter: clone(CLONE_NEWUSER) and the
+    others got through in mode none, clone3 reached the kernel.)"""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe's syscall numbers are x86_64's")
+    if os.geteuid() != 0:
+        pytest.skip("as root: the root caller's path (test_no_way_into_a_namespace_unprivileged covers the other)")
+    if mode == "bwrap":
+        request.getfixturevalue("bwrap")
+    r = Sandbox(mode=mode, limits=SandboxLimits(timeout_s=30, cpu_s=30)).run(_NAMESPACE_ESCAPES)
+    assert r.returncode == 0, r.as_observation()
+    _escapes_denied(json.loads(r.stdout))
+
+
+def _as_nobody(script: str, tmp_prefix: str) -> subprocess.CompletedProcess:
+    """Run ``script`` as uid nobody with a system python3, crl's sandbox modules and pyseccomp copied to a directory
+    nobody can read (the venv may live under /root); skip where that cannot be set up."""
+    import pyseccomp
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a caller as uid nobody")
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
+    if python is None or subprocess.run([python, "-c", "import sys; assert sys.version_info >= (3, 9)"]).returncode:
+        pytest.skip("no system python3 >= 3.9 for uid nobody")
+    work = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir="/var/tmp" if os.path.isdir("/var/tmp") else REPO))
+    try:
+        work.chmod(0o777)
+        (work / "crl").mkdir()
+        (work / "crl" / "__init__.py").write_text("")
+        for name in ("sandbox.py", "cgroups.py"):
+            shutil.copy(REPO / "crl" / name, work / "crl" / name)
+        shutil.copy(pyseccomp.__file__, work / "pyseccomp.py")
+        return subprocess.run(
+            [python, "-c", f"import sys; sys.path.insert(0, {str(work)!r})\n" + script], capture_output=True, text=True,
+            timeout=120, cwd="/", user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[],
+            env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
+        )
+    finally:
+        shutil.rmtree(work)
+
+
+def test_no_way_into_a_namespace_unprivileged(bwrap):
+    """The same escapes from a caller running as uid nobody: mode none, bwrap (with --disable-userns where bwrap has
+    it), and bwrap as it runs when older than 0.8 (no --disable-userns): the filter alone holds there — without it
+    that sandbox's code does make a user namespace."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe's syscall numbers are x86_64's")
+    script = textwrap.dedent(f"""
+        import json, warnings
+        warnings.simplefilter("ignore")  # the no-cgroup fallback warning: uid nobody may not make cgroups
+        import crl.sandbox as sb
+        limits = sb.SandboxLimits(timeout_s=30, cpu_s=30)
+        code = {_NAMESPACE_ESCAPES!r}
+        out = {{m: sb.Sandbox(mode=m, limits=limits).run(code).stdout for m in ("none", "bwrap")}}
+        new = sb._bwrap_features(sb._resolve_bwrap(None))
+        sb._bwrap_features = lambda path: new - {{"--disable-userns"}}  # bwrap < 0.8
+        out["bwrap<0.8"] = sb.Sandbox(limits=limits).run(code).stdout
+        sb.seccomp_filter = lambda machine=None, fallback=False: b""  # and the filter removed: what it alone stops
+        out["bwrap<0.8, no filter"] = sb.Sandbox(limits=limits).run(code).stdout
+        print(json.dumps([out, "--disable-userns" in new]))
+    """)
+    proc = _as_nobody(script, "crl-sandbox-ns-")
+    assert proc.returncode == 0, proc.stderr
+    out, has_disable_userns = json.loads(proc.stdout)
+    for key in ("none", "bwrap", "bwrap<0.8"):
+        _escapes_denied(json.loads(out[key]))
+    unfiltered = json.loads(out["bwrap<0.8, no filter"])
+    assert unfiltered["clone CLONE_NEWUSER"] == "ok" and unfiltered["unshare CLONE_NEWUSER"] == "ok", unfiltered
 
 
 # --- one memory and process budget per call: a cgroup (issue 28 items 2 and 4) -------------------------------------
