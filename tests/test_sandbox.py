@@ -367,6 +367,9 @@ def test_non_root_caller(bwrap, tmp_path):
         (work / "crl" / "__init__.py").write_text("")
         for name in ("sandbox.py", "cgroups.py"):
             shutil.copy(REPO / "crl" / name, work / "crl" / name)
+        import pyseccomp
+
+        shutil.copy(pyseccomp.__file__, work / "pyseccomp.py")  # the venv may be under /root
         target = work / "escape.txt"
         script = textwrap.dedent(f"""
             import json, sys
