@@ -44,7 +44,8 @@ def main():
     from crl.config import load_config
     from crl.modules.generation import TransformersBackend
     from crl.modules.models import build_causal_lm
-    from crl.modules.vllm_backend import EngineSettings, VLLMBackend, export_weights
+    from crl.modules.vllm_backend import (EngineSettings, VLLMBackend, check_weights_applied, default_weights_base, export_weights,
+                                          weight_bytes)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a transformers checkpoint directory (scripts/import_checkpoint.py)")
@@ -81,10 +82,10 @@ def main():
         import tempfile
 
         for _ in range(args.syncs):
-            with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
+            with tempfile.TemporaryDirectory(dir=default_weights_base(weight_bytes(lm))) as d:
                 t0 = time.perf_counter()
-                export_weights(lm, d)
-                engine.load_weights_from(d)
+                n = export_weights(lm, d)
+                check_weights_applied(engine.load_weights_from(d), n, d)
                 times.append(time.perf_counter() - t0)
         results["sync_s"] = [round(t, 3) for t in times]
         print(f"weight sync (export + reload, {args.syncs}x): {', '.join(f'{t:.2f}' for t in times)} s; engine start {start_s:.1f} s")

@@ -82,9 +82,9 @@ def test_request_seeds_streams_and_resume(engine):
 
 
 def test_weight_sync_replaces_the_engines_weights(engine, lm, tmp_path):
-    """export_weights (one file per module) -> load_weights_from: the engine then samples from the new weights, and
-    its prefix cache (keys/values of the old weights) is reset."""
-    from crl.modules.vllm_backend import export_weights
+    """export_weights (one file per module) -> load_weights_from: the engine then samples from the new weights, its
+    prefix cache (keys/values of the old weights) is reset, and every worker reports each tensor applied."""
+    from crl.modules.vllm_backend import check_weights_applied, export_weights
 
     with torch.no_grad():
         for p in lm.parameters():
@@ -93,9 +93,32 @@ def test_weight_sync_replaces_the_engines_weights(engine, lm, tmp_path):
     assert teacher_forced_gap(lm, PROMPTS, before) > 1e-2  # the engine still holds the checkpoint's weights
     n = export_weights(lm, tmp_path)
     assert n == len(list(lm.parameters())) and len(list(tmp_path.glob("*.safetensors"))) > 5
-    assert engine.load_weights_from(tmp_path) == n
+    reports = engine.load_weights_from(tmp_path)
+    assert reports == [{"read": n, "applied": n, "not_loaded": []}]  # one worker here (no tensor parallelism on this CPU)
+    check_weights_applied(reports, n, tmp_path)
     after = engine.generate(PROMPTS, [12] * 3, PARAMS)
     assert teacher_forced_gap(lm, PROMPTS, after) < TOL
+
+
+def test_a_state_dict_sync_is_the_verified_sync(engine, lm):
+    """Issue 40 item 3: VLLMBackend.load_state_dict (CompactionCollector.update_policy_weights_) goes through the
+    verified sync on the real engine: the engine then samples the state dict's weights; a state dict whose tensor the
+    served model skips without an error (an unexpected bias: read, never applied), or that leaves a parameter with
+    its old weights (no final norm), is refused with what went wrong. Before, both were accepted silently."""
+    from crl.modules.vllm_backend import WeightSyncError
+
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(1)) * 0.3)
+    engine.load_state_dict(lm.state_dict())
+    assert teacher_forced_gap(lm, PROMPTS, engine.generate(PROMPTS, [12] * 3, PARAMS)) < TOL
+    extra = {**lm.state_dict(), "model.layers.0.self_attn.q_proj.bias": torch.zeros(lm.config.hidden_size)}
+    with pytest.raises(WeightSyncError, match=r"worker 0 applied (\d+) of the (?!\1)\d+ tensors written"):
+        engine.load_state_dict(extra)
+    missing = {k: v for k, v in lm.state_dict().items() if k != "model.norm.weight"}
+    with pytest.raises(WeightSyncError, match=r"worker 0 left 1 parameter\(s\) with their old weights \(model\.norm\.weight\)"):
+        engine.load_state_dict(missing)
+    engine.load_state_dict(lm.state_dict())  # the module's engine holds a whole model again
 
 
 def test_stops_only_on_the_stop_tokens_it_is_given(engine, tmp_path):
@@ -233,32 +256,83 @@ def test_a_stop_token_sampled_at_the_length_cap_is_a_stop():
     assert [g.stopped for g in gens] == [True, False, True]
 
 
+class _TwoWorkerEngine:
+    """A stand-in ``vllm.LLM`` of two tensor-parallel workers that read the weight directory themselves (no vLLM):
+    worker 1 applies ``lose`` tensors fewer than it read, or leaves ``stale`` parameters unloaded."""
+
+    def __init__(self, lose: int = 0, stale: tuple = ()):
+        self.lose, self.stale, self.directories = lose, list(stale), []
+
+    def collective_rpc(self, method, args=()):
+        from crl.modules.vllm_worker import iter_weight_files
+
+        assert method == "crl_load_weights_from_dir"
+        self.directories.append(Path(args[0]))
+        n = sum(1 for _ in iter_weight_files(args[0]))
+        return [{"read": n, "applied": n, "not_loaded": []}, {"read": n, "applied": n - self.lose, "not_loaded": self.stale}]
+
+    def reset_prefix_cache(self):
+        pass
+
+
 def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
-    """Issue 27 defect 5: the trainer stamped policy_version after a vLLM sync whatever the engine read. Now the
-    engine's count of tensors read must equal the learner's export, else the sync raises and the version stays;
-    run through the trainer's Sampler.sync with a stand-in engine that reads the directory itself (no vLLM)."""
+    """Issue 27 defect 5, issue 40 item 3: the trainer stamped policy_version after a vLLM sync whatever the engine
+    read; then it checked only the count worker 0 read. Now every worker's count of tensors *applied* must equal the
+    learner's export and no worker may leave a parameter with its old weights, else the sync raises and the version
+    stays; run through the trainer's Sampler.sync and the real VLLMBackend.load_weights_from over a stand-in engine
+    of two tensor-parallel workers (no vLLM)."""
     from types import SimpleNamespace as NS
 
-    from crl.modules.vllm_worker import iter_weight_files
+    from crl.modules.vllm_backend import VLLMBackend, WeightSyncError
     from crl.training.sampler import Sampler
 
-    class Engine:
-        def __init__(self, lose: int):
-            self.lose, self.policy_version = lose, 3
-
-        def load_weights_from(self, directory):
-            return sum(1 for _ in iter_weight_files(directory)) - self.lose
+    def backend(**kw):
+        b = VLLMBackend.__new__(VLLMBackend)
+        b.llm, b._engine_state, b.policy_version = _TwoWorkerEngine(**kw), {"asleep": False}, 3
+        return b
 
     lm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    for lose in (0, 1):
-        t = NS(weights_dir=tmp_path / "weights", local_rank=0, models=NS(lm=lm), backend=Engine(lose))
-        if lose:
-            with pytest.raises(RuntimeError, match=r"exported 4 tensors, the engine read 3 .* policy_version stays 3 \(not 4\)"):
-                Sampler.sync(t, 4)
-            assert t.backend.policy_version == 3
-        else:
+    refused = {(1, ()): r"worker 1 applied 3 of the 4 tensors written \(read 4\)",
+               (0, ("model.norm.weight",)): r"worker 1 left 1 parameter\(s\) with their old weights \(model\.norm\.weight\)"}
+    for (lose, stale), message in refused.items():
+        t = NS(weights_dir=tmp_path / "weights", local_rank=0, models=NS(lm=lm), backend=backend(lose=lose, stale=stale))
+        with pytest.raises(WeightSyncError, match=message + r".*policy_version stays 3 \(not 4\)"):
             Sampler.sync(t, 4)
-            assert t.backend.policy_version == 4
+        assert t.backend.policy_version == 3 and not (tmp_path / "weights").exists()
+    t = NS(weights_dir=tmp_path / "weights", local_rank=0, models=NS(lm=lm), backend=backend())
+    Sampler.sync(t, 4)
+    assert t.backend.policy_version == 4 and t.backend.llm.directories == [tmp_path / "weights"]
+
+
+def test_a_state_dict_sync_is_checked_on_every_worker_and_finds_room(monkeypatch):
+    """Issue 40 item 3: VLLMBackend.load_state_dict (what CompactionCollector.update_policy_weights_ calls) is the
+    verified sync: written where there is room (not /dev/shm when it is too small for the weights: the trainer's
+    room check), every tensor-parallel worker's applied count checked. Before, it wrote into /dev/shm whatever its
+    size and ignored what the workers loaded. A stand-in engine of two workers (no vLLM)."""
+    import shutil
+    import tempfile
+    from collections import namedtuple
+
+    from crl.collectors.compaction_collector import CompactionCollector
+    from crl.modules.vllm_backend import VLLMBackend, WeightSyncError
+
+    usage = namedtuple("usage", "total used free")
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1024, 1000, 24) if str(path) == "/dev/shm" else real_usage(path))
+    lm = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    lm[1].weight = lm[0].weight  # tied: written once
+    for lose, ok in ((0, True), (1, False)):
+        b = VLLMBackend.__new__(VLLMBackend)
+        b.llm, b._engine_state = _TwoWorkerEngine(lose=lose), {"asleep": False}
+        collector = CompactionCollector.__new__(CompactionCollector)
+        collector.backend = b
+        if ok:
+            collector.update_policy_weights_(lm.state_dict())
+        else:
+            with pytest.raises(WeightSyncError, match=r"worker 1 applied 0 of the 1 tensors written \(read 1\)"):
+                collector.update_policy_weights_(lm.state_dict())
+        (used,) = b.llm.directories
+        assert used.parent == Path(tempfile.gettempdir()) and used.name.startswith("crl-weights-") and not used.exists()
 
 
 def test_weight_syncs_fall_back_from_a_small_dev_shm(monkeypatch, tmp_path):

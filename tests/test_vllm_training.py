@@ -145,7 +145,7 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
     keep and report the same end-of-turn token."""
     require_vllm()
     from crl.modules.generation import TransformersBackend, sampling_log_probs
-    from crl.modules.vllm_backend import EngineSettings, VLLMBackend, export_weights
+    from crl.modules.vllm_backend import EngineSettings, VLLMBackend, check_weights_applied, export_weights
     from crl.sampling import SamplingSpec
 
     im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -161,8 +161,8 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
             lm.model.embed_tokens.weight.mul_(1.05)  # the tied weight: the LM head changes with it
             for layer in lm.model.layers:
                 layer.mlp.down_proj.weight.mul_(0.9)
-        export_weights(lm, tmp_path)
-        engine.load_weights_from(tmp_path)
+        n = export_weights(lm, tmp_path)
+        check_weights_applied(engine.load_weights_from(tmp_path), n, tmp_path)  # tied: every served parameter filled
         for backend in (engine, TransformersBackend(lm, seed=3)):
             gens = backend.generate(prompts, [48] * 3, params)
             for p, g in zip(prompts, gens):

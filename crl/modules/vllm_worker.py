@@ -27,23 +27,59 @@ def iter_weight_files(directory: str):
         yield from load_file(os.path.join(directory, name)).items()
 
 
+def served_name(name: str, packed: dict[str, str]) -> str:
+    """The served model's parameter that checkpoint tensor ``name`` loads into: ``packed`` maps a checkpoint module to
+    the fused one that holds it (``{"q_proj": "qkv_proj", ...}``, from vLLM's ``packed_modules_mapping``)."""
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".")
+    parts[-1] = packed.get(parts[-1], parts[-1])
+    return ".".join([*parts, leaf])
+
+
 class CrlWorkerExtension:
     """Mixed into vLLM's worker class; ``self.model_runner.model`` is the served model."""
 
-    def crl_load_weights_from_dir(self, directory: str) -> int:
+    def crl_load_weights_from_dir(self, directory: str) -> dict:
         """Load every weight in the safetensors files of ``directory`` (Hugging Face names) into the served model, in
-        place; returns the number of tensors loaded."""
-        count = 0
+        place. Returns this worker's account (every tensor-parallel worker loads, and shards, the whole directory):
 
-        def counted():
-            nonlocal count
-            for item in iter_weight_files(directory):
-                count += 1
-                yield item
+        * ``read``: the tensors read from the files;
+        * ``applied``: those of them whose parameter vLLM's loader reports loaded (its ``load_weights`` returns the
+          served parameters it filled; a checkpoint name maps to one through the model's ``packed_modules_mapping``,
+          ``q_proj`` -> ``qkv_proj``). A tensor the loader skips without an error (an unexpected ``.bias``, a
+          skipped prefix) is read but not applied;
+        * ``not_loaded``: served parameters that received no tensor and so kept their old weights (vLLM's reload only
+          logs them); ``None`` where the model's loader does not say what it loaded (then ``applied`` is 0).
+        """
+        model = self.model_runner.model
+        lora = getattr(self.model_runner, "lora_config", None) is not None
+        to_load = {name.replace(".base_layer.", ".") if lora else name for name, _ in model.named_parameters()}  # as vLLM's reload
+        names: list[str] = []
+        loaded = None
 
-        self.reload_weights(weights_iterator=counted())
+        def recorded():
+            for name, tensor in iter_weight_files(directory):
+                names.append(name)
+                yield name, tensor
+
+        real_load = model.load_weights
+
+        def load_weights(weights):
+            nonlocal loaded
+            loaded = real_load(weights)
+            return loaded
+
+        model.load_weights = load_weights  # an instance attribute for this reload only
+        try:
+            self.reload_weights(weights_iterator=recorded())
+        finally:
+            del model.load_weights
         self._crl_refresh_tied_lm_head()
-        return count
+        if not isinstance(loaded, (set, frozenset)):
+            return {"read": len(names), "applied": 0, "not_loaded": None}
+        packed = {part: whole for whole, parts in (getattr(model, "packed_modules_mapping", None) or {}).items() for part in parts}
+        applied = sum(served_name(name, packed) in loaded for name in names)
+        return {"read": len(names), "applied": applied, "not_loaded": sorted(to_load - set(loaded))}
 
     def _crl_refresh_tied_lm_head(self) -> None:
         """With tied embeddings the files hold no ``lm_head.weight``, so the layer-wise reload never re-processes the LM

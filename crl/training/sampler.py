@@ -57,11 +57,12 @@ class Sampler:
         The transformers backend samples from the learner's own module (ZeRO-3: through the partitioned engine), so
         only its version moves; a vLLM engine per rank reloads the weights written by
         :func:`crl.modules.vllm_backend.export_weights` (one module at a time, gathered under ZeRO-3; local rank 0 of
-        each machine writes, every engine there reads). The version moves only when the engine read every tensor
-        the learner exported: it proves the weights arrived, not that the sync was called."""
+        each machine writes, every engine there reads). The version moves only when every worker of the engine (all
+        its tensor-parallel workers) applied every tensor the learner exported and left no parameter with its old
+        weights (:func:`crl.modules.vllm_backend.check_weights_applied`): the weights arrived, not merely the call."""
         t0 = time.perf_counter()
         if self.weights_dir is not None:
-            from crl.modules.vllm_backend import claim_weights_dir, export_weights
+            from crl.modules.vllm_backend import check_weights_applied, claim_weights_dir, export_weights
 
             directory, writer = self.weights_dir, self.local_rank == 0
             if writer:
@@ -72,16 +73,13 @@ class Sampler:
             try:
                 exported = export_weights(self.models.lm, directory, write=writer)
                 barrier()
-                loaded = self.backend.load_weights_from(directory)
+                reports = self.backend.load_weights_from(directory)
                 barrier()
             finally:
                 if writer:
                     shutil.rmtree(directory, ignore_errors=True)
-            if loaded != exported:
-                raise RuntimeError(f"weight sync to the vLLM engine failed: the learner exported {exported} tensors, the engine "
-                                   f"read {loaded} from {directory}; policy_version stays {self.backend.policy_version} (not "
-                                   f"{version}). The weight directory was incomplete (a full /dev/shm, or another "
-                                   "process writing it): resume from the newest checkpoint")
+            check_weights_applied(reports, exported, directory,
+                                  consequence=f"; policy_version stays {self.backend.policy_version} (not {version})")
         self.backend.policy_version = version
         self.sync_seconds = time.perf_counter() - t0
 
