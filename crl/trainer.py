@@ -29,10 +29,9 @@ import math
 import time
 from pathlib import Path
 
-from crl.training.accelerator import (deepspeed_stage, make_accelerator, max_min_over_ranks, mean_over_ranks,  # noqa: I001  (first: sets DS_ACCELERATOR)
+from crl.training.accelerator import (deepspeed_stage, make_accelerator, max_min_over_ranks,  # noqa: I001  (first: sets DS_ACCELERATOR)
                                       optimizer_layout, peak_memory_mb, process_ranks, reduce_stats)
 
-import numpy as np
 import torch
 from tensordict import TensorDict
 from tqdm.auto import tqdm
@@ -278,7 +277,8 @@ class Trainer:
     def iteration_metrics(self, batch: TensorDict, t0: float) -> dict:
         """Episode outcomes, token counts per segment kind, the summary channel (the environment's verdicts on the
         summaries: :func:`crl.collectors.summary_channel_metrics`; the behaviour policy's entropy per optimized token
-        of each kind, ``step_log["entropy"]`` summed over ranks) and the mean of every loss metric of this iteration."""
+        of each kind, summed over ranks) and the update's metrics (:meth:`crl.training.update.UpdateReport.metrics`: the
+        mean of every loss metric of this iteration over every rank's micro-batches, grad norms, policy steps)."""
         stats = self.last_episode_stats
         n_ep = max(stats["episodes"], 1)
         optimized = batch["loss_mask"]
@@ -301,32 +301,16 @@ class Trainer:
             "perf/iteration_s": time.perf_counter() - t0,
             "curriculum/stage": self.stage,
         }
-        # every rank's micro-batches, not rank 0's alone
-        log.update(mean_over_ranks({k: v for k, v in self.ppo.step_log["metrics"].items() if not k.split("/")[-1].startswith(("sum_", "num_"))},
-                                   self.device))
         if "prompt_tokens_reused" in self.collector.last_stats:  # the chat collector's per-episode prefix cache
             log["perf/prompt_tokens_reused"] = self.collector.last_stats["prompt_tokens_reused"]
         if not self.update_skipped:  # no update, no sync: no value (it repeated the previous iteration's)
             log["perf/sync_s"] = self.sampler.sync_seconds
-        if "policy_steps" in self.ppo.step_log:
-            log["policy/steps"] = float(self.ppo.step_log["policy_steps"])
-            log["policy/kl_stop"] = float(self.ppo.step_log["kl_stop"])
-        for name in ("actor", "critic"):
-            if self.ppo.step_log["grad_norms"][name]:
-                log[f"grad_norm/{name}"] = float(np.mean(self.ppo.step_log["grad_norms"][name]))
         names = {"holds_frac": "summary/holds_frac", "last_holds_frac": "summary/last_holds_frac",
                  "success_given_holds": "train/success_given_holds", "success_given_not_holds": "train/success_given_not_holds"}
         log.update({names[k]: v for k, v in summary_channel_metrics(stats).items()})
-        ent = self.ppo.step_log.get("entropy", {})
-        sums = all_reduce_sum(torch.tensor([x for kind in ("execution", "summary") for x in ent.get(kind, (0.0, 0))], dtype=torch.float64, device=self.device))
-        for i, kind in enumerate(("execution", "summary")):
-            if sums[2 * i + 1] > 0:  # no optimized token of the kind (frozen summaries, a skipped update): no value
-                log[f"policy/entropy_{kind}"] = float(sums[2 * i] / sums[2 * i + 1])
         log.update(self.ppo.learner_metrics(batch))
-        if "learner_s" in self.ppo.step_log:  # passes over the batch: the values, the entropy pass, each critic step, each policy epoch
-            passes = (1 + int(self.ppo.step_log.get("entropy_pass", False)) + len(self.ppo.step_log["grad_norms"]["critic"])
-                      + (self.cfg.train.policy_epochs if self.ppo.step_log["grad_norms"]["actor"] else 0))
-            log["perf/learner_tokens_per_s"] = passes * log["perf/learner_tokens"] / max(self.ppo.step_log["learner_s"], 1e-9)
+        # every rank's micro-batches, not rank 0's alone
+        log.update(self.ppo.report.metrics(self.device, learner_tokens=log["perf/learner_tokens"], policy_epochs=self.cfg.train.policy_epochs))
         # the largest peak of any rank, and the smallest (with 2 ranks: the other rank's peak)
         log["perf/peak_memory_mb"], log["perf/peak_memory_mb_min_rank"] = max_min_over_ranks(peak_memory_mb(), self.device)
         return log
@@ -361,7 +345,7 @@ class Trainer:
                        total=cfg.train.iterations, disable=not (self.is_main and cfg.logging.progress))
             for it in bar:
                 t0 = time.perf_counter()
-                self.ppo.reset_step_log()
+                self.ppo.reset_report()
                 rates = self.ppo.set_learning_rates(it)
                 entropy_coef = self.ppo.set_entropy_coef(it)
                 rollout = self.collect()
@@ -380,7 +364,7 @@ class Trainer:
                     if policy_update:
                         self.update_policy(batch, it)
                     self.sync_policy_weights()
-                self.ppo.step_log["learner_s"] = time.perf_counter() - t_learn
+                self.ppo.report.learner_s = time.perf_counter() - t_learn
 
                 log = {**self.iteration_metrics(batch, t0), "train/actor_lr": rates["actor"], "policy/entropy_coef": entropy_coef}
                 last = it == cfg.train.iterations - 1
@@ -397,7 +381,7 @@ class Trainer:
                 evidence_now = (it + 1) % cfg.checkpoint.evidence_every == 0 or last
                 if evidence_now or (it + 1) % cfg.checkpoint.every == 0:
                     if evidence_now:  # evidence first: the checkpoint's rename commits the iteration
-                        self.checkpoints.write_evidence(it, rollout, batch, self.ppo.step_log, use_critic=self.models.use_critic,
+                        self.checkpoints.write_evidence(it, rollout, batch, self.ppo.report, use_critic=self.models.use_critic,
                                                         update_skipped=self.update_skipped)
                     self.save_checkpoint(it)
                     self.checkpoints.rotate()

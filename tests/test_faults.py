@@ -922,7 +922,7 @@ def test_top_p_first_policy_update_has_ratio_one(tmp_path):
     trainer = Trainer(trainer_cfg(tmp_path / "run", "train.iterations=1", "model.top_p=0.8", "train.policy_minibatches=1"))
     batch = trainer.compute_advantages(trainer.collect())
     trainer.update_policy(batch, iteration=0)
-    m = trainer.ppo.step_log["metrics"]
+    m = trainer.ppo.report.policy.logged("policy/")
     assert max(abs(v) for v in m["policy/approx_kl"]) < 1e-6 and max(m["policy/clip_fraction"]) == 0.0
     trainer.close()
 

@@ -35,7 +35,7 @@ def test_trainer_quickstart_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     scope: dict = {}
     exec(compile(block.replace("runs/quickstart", str(tmp_path / "quickstart")), "README trainer quickstart", "exec"), scope)
-    assert "advantage" in scope["batch"].keys() and scope["trainer"].ppo.step_log["grad_norms"]["critic"]
+    assert "advantage" in scope["batch"].keys() and scope["trainer"].ppo.report.grad_norms["critic"]
 
 
 def test_torchrl_quickstart_runs_compacts_and_trains(monkeypatch):

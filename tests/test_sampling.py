@@ -247,7 +247,7 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
         assert trainer.accelerator.mixed_precision == ("bf16" if precision == "bf16" else "no")
         batch = trainer.compute_advantages(trainer.collect())
         trainer.update_policy(batch, 0)
-        metrics = trainer.ppo.step_log["metrics"]
+        metrics = trainer.ppo.report.policy.logged("policy/")
         assert metrics["policy/approx_kl"][0] < 1e-7 and metrics["policy/clip_fraction"][0] == 0, metrics["policy/approx_kl"]
     finally:
         trainer.close()

@@ -105,7 +105,7 @@ def test_phases_are_callable_in_process(tmp_path):
     before = [p.detach().clone() for p in trainer.models.critic_model.parameters()]
     batch["value_target"] = batch["value_target"] + 1.0  # a target the critic surely misses (rewards may all be 0)
     trainer.update_critic(batch)
-    assert len(trainer.ppo.step_log["grad_norms"]["critic"]) == trainer.cfg.train.critic_updates
+    assert len(trainer.ppo.report.grad_norms["critic"]) == trainer.cfg.train.critic_updates
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.models.critic_model.parameters()))
     actor_before = [p.detach().clone() for p in trainer.models.actor_model.parameters()]
     batch["advantage"] = batch["advantage"] + 1.0

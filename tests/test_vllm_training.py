@@ -113,7 +113,7 @@ def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckp
         rollout = trainer.collect()
         assert learner_gap(trainer, rollout) < TOL
         trainer.update_policy(trainer.compute_advantages(rollout), 0)
-        m = trainer.ppo.step_log["metrics"]
+        m = trainer.ppo.report.policy.logged("policy/")
         assert abs(m["policy/approx_kl"][0]) < TOL and m["policy/clip_fraction"][0] == 0, m["policy/approx_kl"]
     finally:
         trainer.close()

@@ -255,8 +255,9 @@ class RunCheckpoints:
         accelerator.wait_for_everyone()
         return final
 
-    def write_evidence(self, iteration: int, rollout, batch, step_log: dict, *, use_critic: bool, update_skipped: bool) -> None:
-        """This rank's evidence of ``iteration`` for the audit (docs/design.md §8), pointing at the path the
+    def write_evidence(self, iteration: int, rollout, batch, report, *, use_critic: bool, update_skipped: bool) -> None:
+        """This rank's evidence of ``iteration`` for the audit (docs/design.md §8): ``report``'s grad norms and
+        normalizers (:class:`crl.training.update.UpdateReport`) with the rows, pointing at the path the
         iteration's checkpoint *will* have: evidence is written first, the checkpoint's rename commits the iteration."""
         a = self.cfg.algo
         meta = {
@@ -267,14 +268,14 @@ class RunCheckpoints:
             "world_size": self.world,
             "checkpoint": str(checkpoint_dir(self.run_dir, iteration).relative_to(self.run_dir)),
             "aggregation": a.aggregation,
-            "normalizers": step_log["normalizers"],
+            "normalizers": report.normalizers,
             "local_optimized_tokens": int(batch["loss_mask"].sum()),
             "critic_warmup": iteration < self.cfg.train.critic_warmup_iterations,
             "frozen_summary": a.frozen_summary,
             "failed_episodes": self.cfg.train.failed_episodes,
             "update_skipped": update_skipped,
         }
-        write_evidence(self.run_dir, iteration, self.rank, rollout, batch.exclude("log_prob", "entropy"), step_log["grad_norms"], meta)
+        write_evidence(self.run_dir, iteration, self.rank, rollout, batch.exclude("log_prob", "entropy"), report.grad_norms, meta)
 
     def rotate(self) -> None:
         """Keep the newest ``checkpoint.keep_last`` checkpoints plus every one that evidence on disk points to."""

@@ -3,13 +3,16 @@
 :class:`PPOUpdate` turns a batch of the collector's rows into advantages (:class:`CrossTrajectoryGAE` with the
 critic's values, or :class:`GroupRelativeAdvantage` without a critic), then steps the critic and the policy. Every
 optimizer step is normalised by the optimized-token count of the whole step over all ranks and micro-batches
-(Eq. 12), so the gradient does not depend on how the batch is split or spread. What the steps did is kept in
-``step_log`` (grad norms, normalizers, loss metrics, behaviour entropy) for the iteration's metrics and evidence.
+(Eq. 12), so the gradient does not depend on how the batch is split or spread. What the steps did is kept in an
+:class:`UpdateReport` (grad norms, normalizers, loss metrics, behaviour entropy), which the trainer logs and writes
+into the evidence.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -19,8 +22,92 @@ from crl.learner import plan_forward, split_microbatches, split_rows
 from crl.modules.models import MODEL_IN_KEYS
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage
 from crl.objectives.distributed import all_reduce_sum
+from crl.training.accelerator import mean_over_ranks
 
-__all__ = ["PPOUpdate"]
+__all__ = ["LossMetrics", "PPOUpdate", "UpdateReport"]
+
+
+@dataclass
+class LossMetrics:
+    """One loss module's metrics (:class:`~crl.objectives.CompactionPPOLoss`'s outputs), one value per micro-batch of
+    every optimizer step since the reset, dropped steps included. ``loss_*``: the reduced losses; ``clip_fraction``,
+    ``approx_kl``, ``entropy`` (policy) and ``explained_variance`` (critic): over the micro-batch's optimized tokens;
+    ``objective_<kind>``: the objective's part on segments of that kind; ``share_<loss>_<kind>``: that kind's share
+    of the loss's magnitude. The loss's ``sum_*`` / ``num_*`` entries are counts the step itself uses, not kept."""
+
+    loss_objective: list[float] = field(default_factory=list)
+    loss_entropy: list[float] = field(default_factory=list)
+    loss_kl: list[float] = field(default_factory=list)
+    loss_critic: list[float] = field(default_factory=list)
+    clip_fraction: list[float] = field(default_factory=list)
+    approx_kl: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    explained_variance: list[float] = field(default_factory=list)
+    objective_execution: list[float] = field(default_factory=list)
+    objective_summary: list[float] = field(default_factory=list)
+    share_objective_execution: list[float] = field(default_factory=list)
+    share_objective_summary: list[float] = field(default_factory=list)
+    share_critic_execution: list[float] = field(default_factory=list)
+    share_critic_summary: list[float] = field(default_factory=list)
+
+    def add(self, out: TensorDict) -> None:
+        """Append one micro-batch's loss output. A metric with no field here is refused (a typed record: add the field)."""
+        for key, val in out.items():
+            if key.startswith(("sum_", "num_")):
+                continue
+            if not hasattr(self, key):
+                raise ValueError(f"the loss module returned a metric {key!r} that crl.training.update.LossMetrics has no field for: add it there")
+            getattr(self, key).append(float(val.detach()))
+
+    def logged(self, prefix: str) -> dict[str, list[float]]:
+        """``{prefix + name: values}`` of every metric with a value (the keys of metrics.jsonl: ``policy/approx_kl``)."""
+        return {prefix + f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name)}
+
+
+@dataclass
+class UpdateReport:
+    """What one iteration's update reports: :class:`PPOUpdate` writes it, :class:`crl.trainer.Trainer` logs it
+    (:meth:`metrics`) and writes ``grad_norms`` / ``normalizers`` into the evidence.
+
+    ``grad_norms`` / ``normalizers``: per applied optimizer step of the ``"actor"`` / ``"critic"`` (the pre-clipping
+    norm; the step's :class:`~crl.objectives.LossNormalizer` as a dict). ``behaviour_entropy``: ``{kind: [Σ H_t, n]}``
+    over this rank's optimized tokens of each segment kind under the weights that sampled them (None until
+    recorded); ``entropy_pass``: whether recording it took a pass of its own. ``policy_steps`` / ``kl_stop``: policy
+    steps applied and whether ``algo.target_kl`` stopped them (None without a policy update). ``learner_s``: seconds
+    from the advantages to the weight sync (set by the trainer)."""
+
+    policy: LossMetrics = field(default_factory=LossMetrics)
+    critic: LossMetrics = field(default_factory=LossMetrics)
+    grad_norms: dict[str, list[float]] = field(default_factory=lambda: {"actor": [], "critic": []})
+    normalizers: dict[str, list[dict]] = field(default_factory=lambda: {"actor": [], "critic": []})
+    behaviour_entropy: dict[str, list] | None = None
+    entropy_pass: bool = False
+    policy_steps: int | None = None
+    kl_stop: bool | None = None
+    learner_s: float | None = None
+
+    def metrics(self, device, *, learner_tokens: float, policy_epochs: int) -> dict[str, float]:
+        """The logged metrics, the same on every rank (every rank calls it: collectives): each loss metric's mean over
+        every rank's micro-batches (``policy/*``, ``critic/*``), ``policy/steps``, ``policy/kl_stop``,
+        ``grad_norm/{actor,critic}`` (this rank's mean), ``policy/entropy_{execution,summary}`` (nats per optimized
+        token, over ranks) and ``perf/learner_tokens_per_s`` (``learner_tokens``: positions of one pass over the batch;
+        passes: the values, the entropy pass, each critic step, each of ``policy_epochs``)."""
+        log = mean_over_ranks({**self.policy.logged("policy/"), **self.critic.logged("critic/")}, device)
+        if self.policy_steps is not None:
+            log["policy/steps"] = float(self.policy_steps)
+            log["policy/kl_stop"] = float(self.kl_stop)
+        for name in ("actor", "critic"):
+            if self.grad_norms[name]:
+                log[f"grad_norm/{name}"] = float(np.mean(self.grad_norms[name]))
+        ent = self.behaviour_entropy or {}
+        sums = all_reduce_sum(torch.tensor([x for kind in ("execution", "summary") for x in ent.get(kind, (0.0, 0))], dtype=torch.float64, device=device))
+        for i, kind in enumerate(("execution", "summary")):
+            if sums[2 * i + 1] > 0:  # no optimized token of the kind (frozen summaries, a skipped update): no value
+                log[f"policy/entropy_{kind}"] = float(sums[2 * i] / sums[2 * i + 1])
+        if self.learner_s is not None:
+            passes = (1 + int(self.entropy_pass) + len(self.grad_norms["critic"]) + (policy_epochs if self.grad_norms["actor"] else 0))
+            log["perf/learner_tokens_per_s"] = passes * learner_tokens / max(self.learner_s, 1e-9)
+        return log
 
 
 class PPOUpdate:
@@ -41,13 +128,11 @@ class PPOUpdate:
         ppo_kwargs = dict(eps_low=a.clip_eps_low, eps_high=a.clip_eps_high, aggregation=a.aggregation)
         self.policy_loss = CompactionPPOLoss(models.actor, None, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, **ppo_kwargs)
         self.critic_loss = CompactionPPOLoss(None, models.critic, clip_value=a.clip_value, **ppo_kwargs) if models.critic is not None else None
-        self.reset_step_log()
+        self.reset_report()
 
-    def reset_step_log(self) -> None:
-        """``step_log``: the grad norms, normalizers and loss metrics of the optimizer steps since the reset (and, once
-        recorded, ``entropy``: the behaviour entropy sums of :meth:`record_behaviour_entropy` or the first policy
-        step; ``policy_steps`` / ``kl_stop`` after :meth:`update_policy`)."""
-        self.step_log = {"grad_norms": {"actor": [], "critic": []}, "normalizers": {"actor": [], "critic": []}, "metrics": {}}
+    def reset_report(self) -> None:
+        """A fresh :class:`UpdateReport` (``self.report``): what the optimizer steps since this call did."""
+        self.report = UpdateReport()
 
     def advantages(self, batch: TensorDict) -> TensorDict:
         """``batch`` with the critic's ``state_value`` (zeros without a critic) and the estimator's ``advantage`` /
@@ -146,7 +231,7 @@ class PPOUpdate:
                 stopped = True
                 break
             steps += 1
-        self.step_log["policy_steps"], self.step_log["kl_stop"] = steps, stopped
+        self.report.policy_steps, self.report.kl_stop = steps, stopped
         self.models.release_gathered()
 
     @property
@@ -159,7 +244,7 @@ class PPOUpdate:
 
     def record_behaviour_entropy(self, batch: TensorDict) -> None:
         """One no-grad actor pass over ``batch`` with the weights that sampled it (call it before any update of the
-        iteration): ``step_log["entropy"][kind] = [Σ H_t, n]`` over this rank's optimized tokens of each segment kind,
+        iteration): ``report.behaviour_entropy[kind] = [Σ H_t, n]`` over this rank's optimized tokens of each segment kind,
         ``H_t`` the entropy (nats) of the sampling distribution (temperature, top-p) at token ``t``.
 
         Used when no policy step records it (critic warm-up iterations, :attr:`entropy_from_policy_loss` false).
@@ -175,11 +260,11 @@ class PPOUpdate:
         self.models.release_gathered()
         ent, mask = ent[:S].to(torch.float64), batch["loss_mask"].bool()
         kind = batch["segment_kind"].unsqueeze(-1)
-        self.step_log["entropy"] = {
+        self.report.behaviour_entropy = {
             name: [float(torch.where(mask & (kind == int(k)), ent, 0.0).sum()), int((mask & (kind == int(k))).sum())]
             for name, k in (("execution", SegmentKind.EXECUTION), ("summary", SegmentKind.SUMMARY))
         }
-        self.step_log["entropy_pass"] = True  # one more pass over the batch (perf/learner_tokens_per_s)
+        self.report.entropy_pass = True  # one more pass over the batch (perf/learner_tokens_per_s)
 
     def optimizer_step(self, name: str, mbs: list[TensorDict], max_kl: float | None = None) -> bool:
         """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`):
@@ -189,11 +274,12 @@ class PPOUpdate:
 
         Every micro-batch's loss is its masked *sum* divided by the step's global token count (all micro-batches,
         all ranks), so the gradient does not depend on how the batch is split. Records the pre-clipping grad
-        norm, the normalizer (evidence) and the loss module's metrics in ``self.step_log``.
+        norm, the normalizer (evidence) and the loss module's metrics in ``self.report``.
         """
-        loss_module, model, opt, prefix = {
-            "actor": (self.policy_loss, self.models.actor_model, self.models.actor_opt, "policy/"),
-            "critic": (self.critic_loss, self.models.critic_model, self.models.critic_opt, "critic/"),
+        report = self.report
+        loss_module, model, opt, metrics = {
+            "actor": (self.policy_loss, self.models.actor_model, self.models.actor_opt, report.policy),
+            "critic": (self.critic_loss, self.models.critic_model, self.models.critic_opt, report.critic),
         }[name]
         norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
         outs = []
@@ -206,10 +292,8 @@ class PPOUpdate:
             else:
                 self.accelerator.backward(loss)
             outs.append(out)
-        log = self.step_log
         for out in outs:  # a dropped step's metrics too: its approx_kl is why it was dropped
-            for key, val in out.items():
-                log["metrics"].setdefault(f"{prefix}{key}", []).append(float(val.detach()))
+            metrics.add(out)
         if max_kl is not None:
             kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
                                              dtype=torch.float64, device=self.device).reshape(-1, 2).sum(0))
@@ -223,10 +307,10 @@ class PPOUpdate:
             gn = float(self.accelerator.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if name == "actor" and "entropy" not in log and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
+        if name == "actor" and report.behaviour_entropy is None and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
             # the iteration's first policy step: every row, forwarded with the weights that sampled it
-            log["entropy"] = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
+            report.behaviour_entropy = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
                               for kind in ("execution", "summary")}
-        log["grad_norms"][name].append(gn)
-        log["normalizers"][name].append(dataclasses.asdict(norm))
+        report.grad_norms[name].append(gn)
+        report.normalizers[name].append(dataclasses.asdict(norm))
         return True
