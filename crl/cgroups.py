@@ -1,25 +1,32 @@
-"""One memory and process budget per sandboxed call: a cgroup made for the call, a child of the one crl runs in.
+"""One memory and process budget per sandboxed call: a cgroup made for the call, inside the cgroup crl runs in.
 
 ``RLIMIT_AS`` bounds one process's address space; a tool call may start many processes and hold memory no rlimit
 sees (``memfd_create`` files, tmpfs pages, the kernel's inodes and dentries of a file flood). The kernel charges all
 of it to the memory cgroup of the process that allocates it, so a cgroup per call with a memory limit bounds the
 call as a whole, and its ``pids`` limit bounds the call's processes and threads (nsjail's ``cgroup_mem_max`` and
-``cgroup_pids_max``). The call's cgroup is a child of the cgroup crl itself runs in, so it stays inside the limits
-and accounting of whatever started crl (a container, a SLURM job, a systemd unit); crl writes only to the children
-it made (named ``crl-sandbox-<pid>-<n>``) and removes each after its call. Children whose crl process is gone (a
-crash, SIGKILL) are removed the next time a crl process looks for its cgroup (:func:`call_budget`).
+``cgroup_pids_max``). Everything crl makes lies below the cgroup ``C`` it runs in, so the calls stay inside the
+limits and accounting of whatever started crl (a container, a SLURM job, a systemd unit).
 
-* cgroup v2 (unified): ``memory.max``, ``memory.swap.max = 0``, ``memory.oom.group = 1`` (an OOM kills the whole
-  call), ``pids.max``; needs ``memory`` (and ``pids``) in the parent's ``cgroup.subtree_control`` (a delegated
-  cgroup, e.g. ``systemd-run --user -p Delegate=yes``; crl tries to enable them once, which the kernel refuses when
-  the parent holds processes and is not the root).
-* cgroup v1: ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (no swap beyond it) in the memory
-  hierarchy, ``pids.max`` in the pids hierarchy when there is one.
+crl writes only to cgroups it created. It makes its own cgroup ``C/crl-sandbox-<pidns>-<pid>-<start>`` (the owner:
+pid namespace inode, pid and start time, :class:`Owner`), and the calls' cgroups ``call-<n>`` inside it:
 
-A process joins before anything of the call runs: the call starts as ``sh -c 'echo 0 > .../cgroup.procs; exec
-...'`` (:meth:`CallCgroup.wrap`), so every process of the call, forked later, is inside. Where no writable cgroup
-exists :func:`call_budget` returns None and says why (:func:`unavailable_reason`); the sandbox then falls back to
-per-process limits (crl/sandbox.py).
+* cgroup v2: the kernel lets a non-root cgroup that holds processes hand no controller to its children (the
+  no-internal-process rule: writing ``cgroup.subtree_control`` then fails with EBUSY), and crl never writes ``C``'s.
+  So crl needs ``memory`` (and ``pids``) already in ``C``'s ``cgroup.subtree_control`` — which the kernel allows
+  while processes run in ``C`` only for the root cgroup. Then crl moves its own process (only its own) into a leaf
+  ``main`` of its cgroup, enables the controllers on its cgroup (which then holds no process), and makes the calls'
+  cgroups beside ``main``: ``memory.max``, ``memory.swap.max = 0``, ``memory.oom.group = 1`` (an OOM kills the
+  whole call), ``pids.max``. Anywhere else it falls back (below) and says why.
+* cgroup v1: one cgroup of crl's per hierarchy (memory, and pids where mounted), the calls' inside it:
+  ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (no swap beyond it), ``pids.max``.
+
+A call's process joins before anything of the call runs: the call starts as ``sh -c 'echo 0 > .../cgroup.procs;
+exec ...'`` (:meth:`CallCgroup.wrap`), so every process of the call, forked later, is inside. A crl cgroup whose owner
+is gone (a crash, SIGKILL; judged by pid *and* start time, in crl's own pid namespace only: another namespace's
+cgroups are never touched) is killed and removed the next time a crl process sets up (:meth:`CgroupBudget.remove_stale`).
+Where no usable cgroup exists :func:`call_budget` returns None and says why (:func:`unavailable_reason`); the sandbox
+then falls back to per-process limits (crl/sandbox.py). All filesystem operations go through :class:`CgroupFiles`,
+so the logic runs against a stand-in that enforces the kernel's rules (tests/test_cgroups.py).
 """
 from __future__ import annotations
 
@@ -30,33 +37,103 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CallCgroup", "CgroupBudget", "call_budget", "unavailable_reason", "find_parent"]
+__all__ = ["CallCgroup", "CgroupBudget", "CgroupFiles", "Owner", "call_budget", "find_parent", "own_budget",
+           "unavailable_reason"]
 
 PREFIX = "crl-sandbox-"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-(\w+)$")
+_OWNER = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(\d+)$")  # pid namespace inode, pid, start time (clock ticks after boot)
+LEAF = "main"  # v2: crl's own process, beside its calls
+CALL = "call-"
 _RMDIR_WAIT_S = 2.0  # after the kill, how long the call's processes may take to leave before rmdir gives up
 _counter = itertools.count()
 
 
-def _read(path: Path) -> str:
+class CgroupFiles:
+    """The cgroup filesystem operations crl makes, on the kernel's cgroup mounts. Tests pass a stand-in (same
+    methods) that keeps the tree in a temporary directory and enforces the kernel's rules."""
+
+    def read(self, path: Path) -> str:
+        try:
+            return path.read_text()
+        except OSError:
+            return ""
+
+    def write(self, path: Path, text: str) -> None:
+        with open(path, "w") as f:
+            f.write(text)
+
+    def mkdir(self, path: Path) -> None:
+        path.mkdir()
+
+    def rmdir(self, path: Path) -> None:
+        os.rmdir(path)
+
+    def children(self, path: Path) -> list[Path]:
+        try:
+            return [d for d in path.iterdir() if d.is_dir()]
+        except OSError:
+            return []
+
+    def exists(self, path: Path) -> bool:
+        return path.exists()
+
+    def join_probe(self, cgroup: "CallCgroup") -> int:
+        """Exit status of a process that joins ``cgroup`` the way a call does (:meth:`CallCgroup.wrap`)."""
+        return subprocess.run(cgroup.wrap(["true"]), stdin=subprocess.DEVNULL, capture_output=True).returncode
+
+
+KERNEL = CgroupFiles()
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (start time after boot): with the pid, names one process for good."""
     try:
-        return path.read_text()
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
     except OSError:
-        return ""
+        return None
+    return int(text[text.rindex(")") + 2:].split()[19])  # fields 3.. follow the command name's ")"
 
 
-def _write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+@dataclass(frozen=True)
+class Owner:
+    """The crl process a cgroup belongs to: its pid namespace (the inode of /proc/<pid>/ns/pid), pid and start time."""
+
+    pid_ns: int
+    pid: int
+    start: int
+
+    @classmethod
+    def this_process(cls) -> "Owner":
+        return cls(_pid_namespace(), os.getpid(), _start_time(os.getpid()))
+
+    @classmethod
+    def parse(cls, name: str) -> "Owner | None":
+        m = _OWNER.match(name)
+        return cls(*map(int, m.groups())) if m else None
+
+    @property
+    def name(self) -> str:
+        return f"{PREFIX}{self.pid_ns}-{self.pid}-{self.start}"
+
+    def gone(self) -> bool:
+        """True only when the owner is in this process's pid namespace and no process there has its pid and start
+        time; a cgroup of another namespace is never judged gone (its pids mean nothing here)."""
+        return self.pid_ns == _pid_namespace() and _start_time(self.pid) != self.start
 
 
-def _event_count(path: Path, key: str) -> int:
+def _event_count(fs: CgroupFiles, path: Path, key: str) -> int:
     """``key N`` in a flat-keyed cgroup file (``memory.events``, ``memory.oom_control``, ``pids.events``)."""
-    m = re.search(rf"^{re.escape(key)} (\d+)$", _read(path), re.M)
+    m = re.search(rf"^{re.escape(key)} (\d+)$", fs.read(path), re.M)
     return int(m.group(1)) if m else 0
 
 
@@ -107,51 +184,49 @@ def find_parent(proc_cgroup: str, mountinfo: str) -> tuple[int, dict[str, Path]]
 
 @dataclass(frozen=True)
 class CgroupBudget:
-    """Where this process makes its calls' cgroups: the v1/v2 ``version`` and the parent directory per controller."""
+    """crl's own cgroups: ``runs_in`` (controller -> the cgroup crl runs in, where crl's cgroup and stale ones lie)
+    and ``parents`` (controller -> crl's cgroup, where the calls' cgroups are made; v2: one directory for both)."""
 
     version: int
-    parents: dict  # controller -> Path (v2: one directory for both)
-
-    def _controllers(self) -> dict[str, Path]:
-        if self.version == 2:
-            have = set(_read(self.parents["memory"] / "cgroup.subtree_control").split())
-            return {c: self.parents[c] for c in ("memory", "pids") if c in have}
-        return dict(self.parents)
+    runs_in: dict
+    parents: dict
+    owner: Owner
+    fs: CgroupFiles = field(default=KERNEL, compare=False, repr=False)
 
     def create(self, memory_bytes: int, max_pids: int) -> "CallCgroup":
-        """A fresh cgroup per controller, limits written; :meth:`CallCgroup.remove` takes it away again."""
-        name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        """A fresh cgroup per hierarchy, limits written; :meth:`CallCgroup.remove` takes it away again."""
+        name = f"{CALL}{next(_counter)}"
         dirs = []
         try:
-            for controller, parent in self._controllers().items():
-                d = parent / name
-                if d in dirs:  # v2: one directory serves both controllers
-                    continue
-                d.mkdir()
-                dirs.append(d)
-            cg = CallCgroup(self.version, tuple(dirs))
+            for parent in dict.fromkeys(self.parents.values()):  # v2: one directory serves both controllers
+                self.fs.mkdir(parent / name)
+                dirs.append(parent / name)
+            cg = CallCgroup(self.version, tuple(dirs), self.fs)
             cg.set_limits(memory_bytes, max_pids)
             return cg
         except BaseException:
             for d in reversed(dirs):
-                _remove_dir(d)
+                _remove_dir(self.fs, d)
             raise
 
     def remove_stale(self) -> list[Path]:
-        """Remove the call cgroups whose crl process no longer exists (killing what still runs in them)."""
-        removed = []
-        for parent in set(self.parents.values()):
-            try:
-                children = list(parent.iterdir())
-            except OSError:
+        """Kill and remove the crl cgroups beside ours whose owner is gone (:meth:`Owner.gone`); returns them."""
+        return remove_stale(self.runs_in, self.fs)
+
+
+def remove_stale(runs_in: dict, fs: CgroupFiles = KERNEL) -> list[Path]:
+    """The crl cgroups in ``runs_in``'s directories whose owner is gone, killed (every process in them) and removed,
+    their call cgroups first. Another pid namespace's, a live owner's and any other directory are left alone."""
+    removed = []
+    for parent in dict.fromkeys(runs_in.values()):
+        for d in fs.children(parent):
+            owner = Owner.parse(d.name)
+            if owner is None or not owner.gone():
                 continue
-            for d in children:
-                m = _NAME.match(d.name)
-                if m and d.is_dir() and not _alive(int(m.group(1))):
-                    _kill_all(d)
-                    if _remove_dir(d):
-                        removed.append(d)
-        return removed
+            _kill_all(fs, d)
+            if all(_remove_dir(fs, c) for c in fs.children(d)) and _remove_dir(fs, d):
+                removed.append(d)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -160,20 +235,22 @@ class CallCgroup:
 
     version: int
     dirs: tuple
+    fs: CgroupFiles = field(default=KERNEL, compare=False, repr=False)
 
     def set_limits(self, memory_bytes: int, max_pids: int) -> None:
+        fs = self.fs
         for d in self.dirs:  # v1: each directory is one hierarchy (memory, pids, or both co-mounted)
-            if (d / "memory.max").exists():  # v2
-                _write(d / "memory.max", str(memory_bytes))
-                if (d / "memory.swap.max").exists():
-                    _write(d / "memory.swap.max", "0")
-                _write(d / "memory.oom.group", "1")
-            elif (d / "memory.limit_in_bytes").exists():  # v1
-                _write(d / "memory.limit_in_bytes", str(memory_bytes))
-                if (d / "memory.memsw.limit_in_bytes").exists():  # swap accounting on: no swap beyond the budget
-                    _write(d / "memory.memsw.limit_in_bytes", str(memory_bytes))
-            if (d / "pids.max").exists():
-                _write(d / "pids.max", str(max_pids))
+            if fs.exists(d / "memory.max"):  # v2
+                fs.write(d / "memory.max", str(memory_bytes))
+                if fs.exists(d / "memory.swap.max"):
+                    fs.write(d / "memory.swap.max", "0")
+                fs.write(d / "memory.oom.group", "1")
+            elif fs.exists(d / "memory.limit_in_bytes"):  # v1
+                fs.write(d / "memory.limit_in_bytes", str(memory_bytes))
+                if fs.exists(d / "memory.memsw.limit_in_bytes"):  # swap accounting on: no swap beyond the budget
+                    fs.write(d / "memory.memsw.limit_in_bytes", str(memory_bytes))
+            if fs.exists(d / "pids.max"):
+                fs.write(d / "pids.max", str(max_pids))
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` run from a shell that first moves itself into every directory of this cgroup (``echo 0`` into
@@ -185,47 +262,40 @@ class CallCgroup:
     def memory_exceeded(self) -> bool:
         """Whether the kernel's OOM killer killed a process of the call for the cgroup's memory limit."""
         for d in self.dirs:
-            if _event_count(d / ("memory.events" if self.version == 2 else "memory.oom_control"), "oom_kill"):
+            if _event_count(self.fs, d / ("memory.events" if self.version == 2 else "memory.oom_control"), "oom_kill"):
                 return True
         return False
 
     def pids_exceeded(self) -> bool:
         """Whether a fork of the call failed on the cgroup's ``pids.max``."""
-        return any(_event_count(d / "pids.events", "max") for d in self.dirs)
+        return any(_event_count(self.fs, d / "pids.events", "max") for d in self.dirs)
 
     def remove(self) -> bool:
         """Kill whatever of the call still runs in it (mode none: a process that left the process group), then
-        remove the directories; False if one could not be removed (it is then stale: removed at the next start)."""
+        remove the directories; False if one could not be removed (removed with crl's cgroup once crl is gone)."""
         ok = True
         for d in self.dirs:
-            _kill_all(d)
-            ok &= _remove_dir(d)
+            _kill_all(self.fs, d)
+            ok &= _remove_dir(self.fs, d)
         return ok
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _pids(fs: CgroupFiles, d: Path) -> list[int]:
+    return [int(p) for p in fs.read(d / "cgroup.procs").split()]
 
 
-def _pids(d: Path) -> list[int]:
-    return [int(p) for p in _read(d / "cgroup.procs").split()]
-
-
-def _kill_all(d: Path) -> None:
-    if (d / "cgroup.kill").exists():  # v2, Linux >= 5.14: the kernel kills every process, forks in flight included
+def _kill_all(fs: CgroupFiles, d: Path) -> None:
+    """Every process in ``d`` and below it."""
+    if fs.exists(d / "cgroup.kill"):  # v2, Linux >= 5.14: the kernel kills the subtree, forks in flight included
         try:
-            _write(d / "cgroup.kill", "1")
+            fs.write(d / "cgroup.kill", "1")
             return
         except OSError:
             pass
+    for c in fs.children(d):
+        _kill_all(fs, c)
     for _ in range(100):  # v1: a process may fork while we kill; until the list is empty
-        pids = _pids(d)
+        pids = [p for p in _pids(fs, d) if p > 0]  # 0: a process of another pid namespace
         if not pids:
             return
         for pid in pids:
@@ -235,11 +305,11 @@ def _kill_all(d: Path) -> None:
                 pass
 
 
-def _remove_dir(d: Path) -> bool:
+def _remove_dir(fs: CgroupFiles, d: Path) -> bool:
     deadline = time.monotonic() + _RMDIR_WAIT_S
     while True:
         try:
-            os.rmdir(d)
+            fs.rmdir(d)
             return True
         except FileNotFoundError:
             return True
@@ -249,48 +319,62 @@ def _remove_dir(d: Path) -> bool:
             time.sleep(0.005)
 
 
+def own_budget(version: int, runs_in: dict, fs: CgroupFiles = KERNEL) -> CgroupBudget:
+    """Set up crl's own cgroup under ``runs_in`` (controller -> the cgroup crl runs in, from :func:`find_parent`;
+    any root: a stand-in's tree in tests) as the module doc says: stale crl cgroups removed, crl's cgroup made
+    (v2: this process moved into its leaf ``main``, the controllers enabled on it), a probe call cgroup joined and
+    removed. Raises OSError naming why not, having written nothing outside what it made."""
+    remove_stale(runs_in, fs)
+    owner = Owner.this_process()
+    if version == 2:
+        here = runs_in["memory"]
+        handed = fs.read(here / "cgroup.subtree_control").split()
+        if "memory" not in handed:
+            raise OSError(
+                f"cgroup v2: {here} does not hand the memory controller to its children (its cgroup.subtree_control: "
+                f"{' '.join(handed) or 'empty'}), and crl writes only cgroups it created; the kernel lets a non-root "
+                "cgroup that holds processes hand none, so this works where crl runs in the root cgroup")
+        own = here / owner.name
+        fs.mkdir(own)
+        fs.mkdir(own / LEAF)
+        fs.write(own / LEAF / "cgroup.procs", str(owner.pid))  # only this process; its threads move with it
+        fs.write(own / "cgroup.subtree_control", " ".join(f"+{c}" for c in ("memory", "pids") if c in handed))
+        parents = {"memory": own, "pids": own}
+    else:
+        parents = {}
+        for controller, here in runs_in.items():
+            own = here / owner.name
+            if own not in parents.values():
+                fs.mkdir(own)
+            parents[controller] = own
+    budget = CgroupBudget(version, dict(runs_in), parents, owner, fs)
+    probe = budget.create(64 << 20, 16)  # writable, and a process can join it
+    try:
+        rc = fs.join_probe(probe)
+        if rc != 0:
+            raise OSError(f"a process cannot join a cgroup made under {sorted(map(str, set(parents.values())))} (exit {rc})")
+    finally:
+        probe.remove()
+    return budget
+
+
 _UNAVAILABLE: list[str] = []
 
 
 @functools.lru_cache(maxsize=None)
 def call_budget() -> CgroupBudget | None:
-    """This process's :class:`CgroupBudget`, found once (stale call cgroups removed then), or None when no
-    writable cgroup is available here (:func:`unavailable_reason` says why)."""
+    """This process's :class:`CgroupBudget` (:func:`own_budget` on the cgroup it runs in), set up once, or None
+    when no usable cgroup is available here (:func:`unavailable_reason` says why)."""
     try:
-        found = find_parent(_read(Path("/proc/self/cgroup")), _read(Path("/proc/self/mountinfo")))
+        found = find_parent(KERNEL.read(Path("/proc/self/cgroup")), KERNEL.read(Path("/proc/self/mountinfo")))
         if isinstance(found, str):
             raise OSError(found)
-        version, parents = found
-        if version == 2:
-            control = parents["memory"] / "cgroup.subtree_control"
-            have = set(_read(control).split())
-            want = [c for c in ("memory", "pids") if c in _read(parents["memory"] / "cgroup.controllers").split()]
-            if "memory" not in want:
-                raise OSError(f"the memory controller is not available in {parents['memory']}")
-            if not set(want) <= have:
-                try:  # our own cgroup: refused (EBUSY) when it holds processes and is not the root
-                    _write(control, " ".join(f"+{c}" for c in want))
-                except OSError as e:
-                    raise OSError(f"memory is not enabled for the children of {parents['memory']} and enabling it failed "
-                                  f"({e.strerror}); run crl in a delegated cgroup (systemd-run --user -p Delegate=yes, or a "
-                                  "container with a cgroup namespace of its own)") from None
-        budget = CgroupBudget(version, parents)
-        budget.remove_stale()
-        probe = budget.create(64 << 20, 16)  # writable, and a process can join it
-        try:
-            import subprocess
-
-            rc = subprocess.run(probe.wrap(["true"]), stdin=subprocess.DEVNULL, capture_output=True).returncode
-            if rc != 0:
-                raise OSError(f"a process cannot join a cgroup made under {sorted(map(str, set(parents.values())))} (exit {rc})")
-        finally:
-            probe.remove()
-        return budget
+        return own_budget(*found)
     except OSError as e:
         _UNAVAILABLE[:] = [str(e)]
         return None
 
 
 def unavailable_reason() -> str | None:
-    """Why :func:`call_budget` found no writable cgroup (None if it did, or has not looked)."""
+    """Why :func:`call_budget` found no usable cgroup (None if it did, or has not looked)."""
     return _UNAVAILABLE[0] if _UNAVAILABLE else None

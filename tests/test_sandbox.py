@@ -840,7 +840,7 @@ def call_cgroups(bwrap):
 
 
 def _own_call_cgroups(budget) -> list[Path]:
-    return [d for p in set(budget.parents.values()) for d in p.glob(f"crl-sandbox-{os.getpid()}-*")]
+    return [d for p in set(budget.parents.values()) for d in p.glob("call-*")]
 
 
 _FOUR_CHILDREN = """
@@ -916,9 +916,8 @@ def test_a_file_flood_ends_at_the_call_budget(call_cgroups, monkeypatch):
 
 def test_call_cgroup_limits_and_stale_ones_removed(call_cgroups):
     """A call's cgroup holds the budget's limits (memory and, where mounted, pids = max_processes + bwrap's two);
-    a cgroup left by a crl process that is gone (SIGKILL mid-call) is removed at start-up, a live process's is not."""
-    from crl.cgroups import PREFIX
-
+    a crl cgroup whose owner is gone (SIGKILL mid-call) is removed at start-up, with its calls' cgroups; a live
+    owner's (same pid and start time) is not, nor one of another pid namespace."""
     cg = call_cgroups.create(100 << 20, 34)
     try:
         for d in cg.dirs:
@@ -930,19 +929,36 @@ def test_call_cgroup_limits_and_stale_ones_removed(call_cgroups):
                 assert (d / "pids.max").read_text().strip() == "34"
     finally:
         assert cg.remove()
+    # crl cgroups beside ours, named by owner (pid namespace, pid, start time): the owner gone, a live process, the
+    # live pid with another start time (the pid reused), a gone pid of another pid namespace (never judged here)
+    from crl.cgroups import Owner, _pid_namespace, _start_time
+
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid is free now
-    parent = call_cgroups.parents["memory"]
-    stale, live = parent / f"{PREFIX}{dead.pid}-0", parent / f"{PREFIX}{os.getpid()}-stale-test"
-    stale.mkdir()
-    live.mkdir()
+    live = subprocess.Popen(["sleep", "60"])
+    ns = _pid_namespace()
     try:
-        assert stale in call_cgroups.remove_stale()  # (with any a killed caller of an earlier test left)
-        assert not stale.exists() and live.exists()
+        t = _start_time(live.pid)
+        owners = {"gone": Owner(ns, dead.pid, 1), "live": Owner(ns, live.pid, t), "reused": Owner(ns, live.pid, t - 1),
+                  "other ns": Owner(ns + 1, dead.pid, 1)}
+        dirs = {k: [p / o.name for p in set(call_cgroups.runs_in.values())] for k, o in owners.items()}
+        for ds in dirs.values():
+            for d in ds:
+                d.mkdir()
+                (d / "call-0").mkdir()
+        removed = call_cgroups.remove_stale()
+        gone = {k for k, ds in dirs.items() if not any(d.exists() for d in ds)}
+        assert gone == {"gone", "reused"}, gone  # (removed also holds what crl processes of earlier tests left)
+        assert {d for k in gone for d in dirs[k]} <= set(removed), removed
+        assert live.poll() is None  # the live process's own cgroup is not ours to kill (it runs elsewhere)
     finally:
-        os.rmdir(live)
-        if stale.exists():
-            os.rmdir(stale)
+        live.kill()
+        live.wait()
+        for ds in dirs.values():
+            for d in ds:
+                if d.exists():
+                    os.rmdir(d / "call-0")
+                    os.rmdir(d)
 
 
 def test_no_cgroup_fallback_warns_once(bwrap, monkeypatch):
