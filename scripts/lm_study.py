@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""The LM study (issue 13, docs/lm_study.md): a multi-seed sweep (``scripts/sweep.py``) over arms x seeds of
+"""The LM study (issue 13, docs/lm_study.md): a multi-seed sweep (:mod:`crl.experiments.sweep`) over arms x seeds of
 ``CONFIG_DIR/ARM.yaml``, with the preregistered gate and one warm start per seed shared by the arms.
 
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
-                               [--config-dir configs/study] [--set KEY=VALUE ...]
+                               [--config-dir configs/study] [--set KEY=VALUE ...] [--force]
 
 Each arm is ``CONFIG_DIR/ARM.yaml`` (layered on ``base.yaml``). Each (arm, seed) is one run of
-:class:`sweep.Sweep` on kernel ``default`` (the machine's own): a ``scripts/train.py`` process with ``run_dir=DIR/runs/ARM_seedS
+:class:`crl.experiments.sweep.Sweep` on kernel ``default`` (the machine's own): a ``scripts/train.py`` process with ``run_dir=DIR/runs/ARM_seedS
 train.seed=S`` (plus ``--set`` overrides and, with ``--quick``, :data:`QUICK`), at most ``--parallel`` at a time
 (default 2; one torch thread each), then ``scripts/audit.py`` on its run directory, then ``scripts/evaluate.py`` on
 its final checkpoint (``--final-episodes`` episodes of ``--final-split``, default 240 dev episodes: each of the 60
@@ -15,21 +15,27 @@ carries the preregistered gate (:data:`GATE`). The arms of one seed share its wa
 (``warm_start.cache_dir=DIR/warm_start_cache``: computed by the first, loaded bit-identically by the others).
 Logs: ``DIR/logs/ARM_seedS.{train,audit,eval}.log``; wall times: ``DIR/logs/ARM_seedS.json``.
 
-Resumable: rerun the same command (sweep.py's rules: the trainer says "already complete" for a finished run, a
+Resumable: rerun the same command (the sweep's rules: the trainer says "already complete" for a finished run, a
 killed one continues from its newest checkpoint, a current ``audit.json`` and final evaluation are reused, and a run
-finished earlier is not relaunched: it needs only its config, metrics, audit and evaluation JSON).
+finished earlier is not relaunched: it needs only its config, metrics, audit and evaluation JSON). A run directory
+saved with other settings than the study would launch stops it with one line naming the keys (``--force``: rerun it).
 
 Writes, atomically, ``DIR/report.json``::
 
-    {"task": {...}, "gate": {"verdict", "checks"} | null, "compactions_per_episode": int, "machine": str, "wall_s": float,
+    {"task": {...}, "gate": {"verdict", "checks", "code"} | null, "code": {"commit", "dirty"},
+     "compactions_per_episode": int, "machine": str, "wall_s": float,
      "threshold": 0.9, "bootstrap": {...},
-     "arms": {arm: {"config": {...}, "summary": {...}, "aggregate": sweep.py's AGG of the arm,
+     "arms": {arm: {"config": {...}, "summary": {...}, "aggregate": the sweep's AGG of the arm,
                     "seeds": {seed: {"iter0_dev_success", "final_dev_success", "audit": "PASS"|"FAIL",
                                      "curve": [[iteration, dev_success], ...],
                                      "final_eval": {"episodes", "tasks", "success", "stderr", "iteration"},
-                                     ... sweep.py's run row}}}}}
+                                     "code": {"commit", "dirty", "launches"}, ... the sweep's run row}}}}}
 
-and ``DIR/curves.png`` (sweep.py's plot: every seed's dev curve thin, per arm the mean and min-max band, a diamond
+``code`` per seed: the commit(s) and dirty-tree flag of the code that trained the run (``RUN_DIR/code.json``,
+``"unknown"`` for a run trained before it was kept); at the top, the invocation's; in the gate, ``{"commits": [...],
+"dirty"}`` over the runs it judges.
+
+and ``DIR/curves.png`` (the sweep's plot: every seed's dev curve thin, per arm the mean and min-max band, a diamond
 right of each arm with the IQM of its final evaluations and the 95 % bootstrap interval; chance dashed, 0.9 dotted).
 ``compactions_per_episode`` is the most compactions an episode went through (``episode/compactions`` of the
 metrics: the per-iteration mean, maximum over iterations and runs, rounded); ``compactions_per_episode_mean``
@@ -51,12 +57,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-
-from sweep import BOOTSTRAP, Sweep, aggregate, machine, rel  # noqa: E402
-from sweep import QUICK as SWEEP_QUICK  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from crl.config import chance_success, load_config, to_dict  # noqa: E402  (pure: no torch)
+from crl.experiments.sweep import BOOTSTRAP, Sweep, aggregate, machine, rel  # noqa: E402
+from crl.experiments.sweep import QUICK as SWEEP_QUICK  # noqa: E402
+from crl.provenance import UNKNOWN  # noqa: E402
 
 ARMS = ("joint", "joint_segment_lambda", "frozen", "no_cross_trajectory", "segment_mean", "ppo_epochs")
 SEEDS = (7, 17, 29)
@@ -65,7 +71,7 @@ SEEDS = (7, 17, 29)
 #: the joint arm's mean >= 0.95, every joint seed >= 0.90, joint mean - frozen mean >= 0.30, and every audit PASS.
 GATE = {"joint_mean": 0.95, "joint_min": 0.90, "joint_minus_frozen": 0.30}
 
-#: Overrides of ``--quick``: sweep.py's (2 iterations, a 100-step warm start, 8 dev episodes, ...) on a tiny task
+#: Overrides of ``--quick``: the sweep's (2 iterations, a 100-step warm start, 8 dev episodes, ...) on a tiny task
 #: that still compacts 3 times (without a curriculum).
 QUICK = ["env.length=4", "env.compaction_steps=[1,2,3]", "train.curriculum=[]", *SWEEP_QUICK]
 
@@ -88,7 +94,7 @@ class Study(Sweep):
         final = args.final_episodes if args.final_episodes is not None else (8 if args.quick else 240)
         super().__init__({arm: self.config_dir / f"{arm}.yaml" for arm in args.arms}, args.seeds, args.out,
                          overrides=[*(QUICK if args.quick else []), *args.set], parallel=args.parallel, final_episodes=final,
-                         final_split=args.final_split, report_only=args.report_only, quick=args.quick)
+                         final_split=args.final_split, report_only=args.report_only, quick=args.quick, force=args.force)
 
     def run_name(self, arm: str, seed: int, kernel: str) -> str:
         return f"{arm}_seed{seed}"
@@ -139,7 +145,7 @@ class Study(Sweep):
                     "train_wall_s_mean": sum(walls) / len(walls) if walls else None,
                     "audits_pass": sum(s["audit"] == "PASS" for s in arm_rows), "seeds": len(arm_rows),
                 },
-                "aggregate": aggregate(arm_rows, self.threshold),  # sweep.py's: IQM, its 95 % interval, fraction >= 0.9
+                "aggregate": aggregate(arm_rows, self.threshold),  # the sweep's: IQM, its 95 % interval, fraction >= 0.9
                 "seeds": seeds,
             }
         comp = [r for r in rows if r["compactions_max"] is not None]
@@ -149,6 +155,7 @@ class Study(Sweep):
             "compactions_per_episode": int(round(max(r["compactions_max"] for r in comp))) if comp else 0,
             "compactions_per_episode_mean": sum(r["compactions_mean"] for r in comp) / len(comp) if comp else None,
             "machine": machine(),
+            "code": self.code_state,
             "parallel": self.parallel,
             "wall_s": round(wall_s, 1),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -160,8 +167,9 @@ class Study(Sweep):
     @staticmethod
     def gate(arms: dict) -> dict | None:
         """The preregistered gate (:data:`GATE`) on the final evaluations, when the study has a joint and a frozen arm:
-        ``{"verdict": "PASS" | "FAIL", "checks": {name: {"value", "threshold", "pass"}}}``. A seed without a final
-        evaluation fails it; the thresholds are constants of this script, never arguments."""
+        ``{"verdict": "PASS" | "FAIL", "checks": {name: {"value", "threshold", "pass"}}, "code": {"commits", "dirty"}}``
+        (``code``: every commit that trained a judged run, and whether any ran from a dirty tree). A seed without a
+        final evaluation fails it; the thresholds are constants of this script, never arguments."""
         if "joint" not in arms or "frozen" not in arms:
             return None
         evals = {arm: [s["final_eval"]["success"] if s.get("final_eval") else None for s in arms[arm]["seeds"].values()] for arm in ("joint", "frozen")}
@@ -178,7 +186,12 @@ class Study(Sweep):
             "all_audits_pass": {"value": audits, "threshold": True, "pass": audits},
             "every_seed_evaluated": {"value": complete, "threshold": True, "pass": complete},
         }
-        return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks}
+        codes = [s.get("code") or {"commit": UNKNOWN, "dirty": UNKNOWN} for arm in ("joint", "frozen") for s in arms[arm]["seeds"].values()]
+        commits = sorted({c for code in codes for c in (code["commit"] if isinstance(code["commit"], list) else [code["commit"]])})
+        flags = {code["dirty"] for code in codes}
+        dirty = True if True in flags else UNKNOWN if UNKNOWN in flags else False
+        return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks,
+                "code": {"commits": commits, "dirty": dirty}}
 
     def title(self, report: dict) -> str:
         t = report["task"]
@@ -210,6 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config-dir", default=str(ROOT / "configs" / "study"), help="where ARM.yaml and base.yaml live")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run (after --quick's)")
     ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
+    ap.add_argument("--force", action="store_true", help="rerun a run saved with other settings (moved to OUT/replaced/) instead of refusing")
     ap.add_argument("--final-episodes", type=int, default=None, help="episodes of each run's final-checkpoint evaluation "
                     "(scripts/evaluate.py; default 240 = each of the 60 tasks 4 times; 8 with --quick; 0: none)")
     ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation (the reported "
@@ -219,6 +233,8 @@ def main(argv=None) -> int:
         ap.error("--parallel must be >= 1")
     if len(set(args.arms)) != len(args.arms) or len(set(args.seeds)) != len(args.seeds):
         ap.error("--arms and --seeds must not repeat")
+    if args.force and args.report_only:
+        ap.error("--force reruns runs and --report-only trains none: use one")
     return Study(args).main()
 
 

@@ -22,6 +22,7 @@ from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
 
 ROOT = Path(__file__).resolve().parents[1]
+HEAD = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
 STUDY = ROOT / "configs" / "study"
 ARMS = ("joint", "joint_segment_lambda", "frozen", "no_cross_trajectory", "segment_mean", "ppo_epochs")
 CODE = re.compile(r"code is (\d+)")
@@ -231,11 +232,14 @@ def test_lm_study_quick_report_and_resume(tmp_path):
         assert s["kernel"] == "default" and s["aten_cpu_capability"] is None and s["cpu_capability"]
         assert s["iterations_to_threshold"] == next((it for it, v in s["curve"] if v >= 0.9), None)
         assert s["final_eval_success"] == fe["success"] and isinstance(s["diagnostics"], dict)
+        # the code that trained it: this checkout's commit and dirty flag, as the report's own and the gate's
+        assert s["code"]["commit"] == report["code"]["commit"] == HEAD and s["code"]["dirty"] == report["code"]["dirty"]
         agg = a["aggregate"]  # sweep.py's statistics of the arm (one seed: IQM = the value, a degenerate interval)
         assert agg["runs"] == 1 and agg["audits_pass"] == 1
         assert agg["final_eval_success"]["iqm"] == agg["final_eval_success"]["mean"] == fe["success"]
         assert agg["final_eval_success"]["iqm_ci95"] == [fe["success"], fe["success"]]
     assert report["threshold"] == 0.9 and report["bootstrap"]["strata"] == "arm/kernel"
+    assert report["gate"]["code"] == {"commits": [HEAD], "dirty": report["code"]["dirty"]}
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     t0 = time.perf_counter()
@@ -314,6 +318,13 @@ def test_gate_is_computed_from_the_final_evaluations():
     assert mod.Study.gate(arms([0.96, 0.96, 0.96], [0.3, 0.3, 0.3], audit="FAIL"))["verdict"] == "FAIL"
     assert mod.Study.gate(arms([0.96, None, 0.96], [0.3, 0.3, 0.3]))["verdict"] == "FAIL"
     assert mod.Study.gate({"joint": {"seeds": {}}}) is None  # no frozen arm: no gate
+    # the code of the judged runs: every commit, dirty if any run was, unknown for a run without code.json
+    judged = arms([0.96, 0.96], [0.3, 0.3])
+    for (arm, seed), code in zip([("joint", "0"), ("joint", "1"), ("frozen", "0")],
+                                 [{"commit": "a", "dirty": False}, {"commit": ["b", "a"], "dirty": True}, {"commit": "a", "dirty": False}]):
+        judged[arm]["seeds"][seed]["code"] = code
+    assert mod.Study.gate(judged)["code"] == {"commits": ["a", "b", "unknown"], "dirty": True}
+    assert mod.Study.gate(arms([0.96], [0.3]))["code"] == {"commits": ["unknown"], "dirty": "unknown"}
 
 
 @pytest.mark.slow

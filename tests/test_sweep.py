@@ -1,7 +1,8 @@
-"""scripts/sweep.py (issue 26): the statistics against independent computations, and ``--quick`` end to end (4 runs:
+"""The sweep runner, crl.experiments.sweep with scripts/sweep.py on top (issue 26): the statistics against independent computations, and ``--quick`` end to end (4 runs:
 2 seeds x kernels default / avx2, each audited; the kernel really reached the training process; the report's
-aggregates recomputed from its rows; resume retrains nothing, also from a run carried as four files; ``--report-only``)."""
-import importlib.util
+aggregates recomputed from its rows; resume retrains nothing, also from a run carried as four files, which a sweep with
+other settings refuses; ``--report-only``; the commit that trained each run) and the rule that a run is reused only
+under the settings it ran with."""
 import json
 import math
 import os
@@ -14,18 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from crl.experiments import sweep
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+HEAD = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
 
 
-def load_sweep():
-    spec = importlib.util.spec_from_file_location("sweep_script", ROOT / "scripts" / "sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sweep = load_sweep()
 
 
 # ------------------------------------------------------------------------------------------------ independent references
@@ -188,6 +184,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
         assert r["final_eval"]["episodes"] == 8 and r["final_eval"]["iteration"] == 2 and r["final_eval_success"] == r["final_eval"]["success"]
         assert set(r["diagnostics"]) <= set(sweep.DIAGNOSTICS) and r["train_wall_s"] > 0
         assert r["overrides"] == sweep.QUICK
+        # the code that trained it: this checkout's commit (code.json, written before the launch)
+        assert r["code"]["commit"] == report["code"]["commit"] == HEAD and r["code"]["dirty"] == report["code"]["dirty"]
         assert name in proc.stdout  # the per-run table
     if native != "AVX2":  # two different float paths really ran
         assert {r["cpu_capability"] for r in runs} == {native, "AVX2"}
@@ -240,6 +238,9 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
                             "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert moved.returncode == 0 and "finished earlier" in moved.stdout and "start " not in moved.stdout, moved.stdout[-2000:] + moved.stderr[-2000:]
     row = json.loads((carried / "report.json").read_text())["runs"][0]
+    refused = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes", "8",
+                              "--set", "algo.gamma=0.5", "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "algo.gamma: 1.0 -> 0.5" in refused.stderr and "start " not in refused.stdout, refused.stderr[-2000:]
     assert (row["curve"], row["final_eval"], row["audit"]) == (rows2[name]["curve"], rows2[name]["final_eval"], "PASS")
     # a metrics.jsonl the audit did not hash (a resumed run appended to it) makes the audit stale
     assert sweep.audit_current(carried / "runs" / name)
@@ -257,3 +258,92 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     assert rows3["default_seed2_default"]["audit"] == "NOT RUN" and rows3["default_seed2_default"]["curve"] == []
     assert json.loads((out / "report.json").read_text())["aggregates"]["overall"]["final_dev_success"]["n"] == 1
     assert not (out / "runs" / "default_seed2_default").exists()
+
+
+# ------------------------------------------------------------------------------------------------ reuse: same settings or nothing
+def finished_run(s, job, cfg_overrides=None) -> Path:
+    """A finished run of ``job`` as the trainer and the audit leave it (config.yaml as the trainer writes it, a
+    metrics curve up to train.iterations, an audit.json that hashed those metrics), with ``cfg_overrides`` (default:
+    the sweep's own) as the run's settings."""
+    from crl.config import load_config, to_yaml
+    from crl.io import sha256_file
+
+    run_dir = s.run_dir(job)
+    run_dir.mkdir(parents=True)
+    cfg = load_config(s.arms[job[0]], s.run_overrides(job) if cfg_overrides is None else cfg_overrides)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "dev/success": 0.25 * i}) + "\n" for i in range(cfg.train.iterations + 1)))
+    (run_dir / "audit.json").write_text(json.dumps({"verdict": "PASS", "files": [{"path": "metrics.jsonl", "sha256": sha256_file(run_dir / "metrics.jsonl")}]}))
+    return run_dir
+
+
+def test_a_finished_run_is_reused_only_under_the_settings_it_ran_with(tmp_path, capsys):
+    """A finished run is reported as finished earlier when its saved config is what the sweep would launch (also when
+    carried to another --out: where a run writes is not a setting); a sweep with other --set values refuses, before
+    anything trains, with one line naming the differing key; --force moves the old run aside and reruns it."""
+    arms, seeds, job = {"default": ROOT / "configs" / "default.yaml"}, [0], ("default", 0, "default")
+    same = sweep.Sweep(arms, seeds, tmp_path / "a", overrides=sweep.QUICK, report_only=True)
+    run_dir = finished_run(same, job)
+    assert same.main() == 0
+    row = json.loads((tmp_path / "a" / "report.json").read_text())["runs"][0]
+    assert row["audit"] == "PASS" and row["final_iteration"] == 2 and row["code"]["commit"] == "unknown"  # no code.json: trained elsewhere
+
+    # carried to another directory: run_dir (and a study's warm_start.cache_dir) differ, the run is the same
+    moved = sweep.Sweep(arms, seeds, tmp_path / "b", overrides=sweep.QUICK)
+    finished_run(moved, job, cfg_overrides=same.run_overrides(job) + [f"warm_start.cache_dir={tmp_path}/cache"])
+    moved.cfgs = moved.check_configs()
+    assert moved.config_changes(job) == [] and moved.finished_earlier(job)
+
+    # other settings into the same --out: refused with one line naming the key, nothing trained, the run kept
+    other = sweep.Sweep(arms, seeds, tmp_path / "a", overrides=[*sweep.QUICK, "eval.episodes=4"])
+    with pytest.raises(SystemExit) as refused:
+        other.main()
+    msg = str(refused.value)
+    assert "\n" not in msg and "eval.episodes: 8 -> 4" in msg and "--force" in msg and str(run_dir) in msg, msg
+    assert "start " not in capsys.readouterr().out and (run_dir / "metrics.jsonl").is_file()
+    for report_only in (True,):  # --report-only must not report the old run under the new settings either
+        with pytest.raises(SystemExit, match="eval.episodes: 8 -> 4"):
+            sweep.Sweep(arms, seeds, tmp_path / "a", overrides=[*sweep.QUICK, "eval.episodes=4"], report_only=report_only).main()
+
+    # --force: moved aside (with its timing), then it trains afresh under the new settings
+    (tmp_path / "a" / "logs").mkdir(exist_ok=True)
+    (tmp_path / "a" / "logs" / "default_seed0_default.json").write_text('{"train_wall_s": 1.0}')
+    forced = sweep.Sweep(arms, seeds, tmp_path / "a", overrides=[*sweep.QUICK, "eval.episodes=4"], force=True)
+    forced.cfgs = forced.check_configs()
+    forced.check_reuse()
+    aside = list((tmp_path / "a" / "replaced").iterdir())
+    assert len(aside) == 1 and aside[0].name.startswith("default_seed0_default.") and (aside[0] / "metrics.jsonl").is_file()
+    assert (aside[0] / "timing.json").is_file() and not (tmp_path / "a" / "logs" / "default_seed0_default.json").exists()
+    assert not run_dir.exists() and not forced.finished_earlier(job)
+    assert "moved to" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="use one"):
+        sweep.Sweep(arms, seeds, tmp_path / "a", force=True, report_only=True)
+
+
+def test_cli_refuses_force_with_report_only():
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--force", "--report-only", "--out", "unused"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--force reruns runs and --report-only trains none" in proc.stderr
+    assert not (ROOT / "unused").exists()
+
+
+def test_each_launch_records_the_code_that_trains_the_run(tmp_path):
+    """``RUN_DIR/code.json`` gets this checkout's commit and dirty flag per launch; the run's report row says which
+    code trained it: one commit, or every commit when a resumed run was trained by several; dirty if any launch was."""
+    from crl.provenance import git_state
+
+    s = sweep.Sweep({"default": ROOT / "configs" / "default.yaml"}, [0], tmp_path, overrides=sweep.QUICK)
+    job = ("default", 0, "default")
+    s.code_state = git_state(ROOT, ignore=(tmp_path,))
+    first = s.code_state["dirty"]
+    s.record_launch(job)
+    code = s.run_code(s.run_dir(job))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    assert code["commit"] == head == s.code_state["commit"] and code["dirty"] == s.code_state["dirty"]
+    assert code["launches"][0]["iteration"] is None  # launched on an empty run directory
+    s.code_state = {"commit": "f" * 40, "dirty": False}  # a later launch (resume) from another commit
+    s.record_launch(job)
+    code = s.run_code(s.run_dir(job))
+    assert code["commit"] == [head, "f" * 40] and len(code["launches"]) == 2
+    assert code["dirty"] == (True if first is True else "unknown" if first == "unknown" else False)
+    assert s.run_code(tmp_path / "nowhere") == {"commit": "unknown", "dirty": "unknown", "launches": []}

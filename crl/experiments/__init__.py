@@ -4,4 +4,6 @@
 * :mod:`crl.experiments.tabular_chain` — the 96-step memory chain (:mod:`crl.envs.memory_chain`) with a compact
   tabular policy trained through the episode contract, :class:`~crl.objectives.CrossTrajectoryGAE` and
   :class:`~crl.objectives.CompactionPPOLoss`; run by ``scripts/tabular_chain.py``, reported in docs/tabular_chain.md.
+* :mod:`crl.experiments.sweep` — the multi-seed runner: every (config, seed, CPU kernel) an ordinary training run,
+  audited, reported with rliable's statistics; run by ``scripts/sweep.py`` and ``scripts/lm_study.py``.
 """

@@ -1,0 +1,58 @@
+"""Which code produced a result: the git commit and dirty-tree flag of a checkout (for reports), and a content hash
+of crl's own sources (for caches).
+
+* :func:`git_state` — ``{"commit", "dirty"}`` of the repository holding crl: ``git rev-parse HEAD`` and whether
+  ``git status --porcelain`` lists anything outside the run outputs (``runs/`` and the paths given); ``"unknown"``
+  for both outside a git checkout or without git.
+* :func:`source_hash` — SHA-256 over every file of the installed ``crl`` package (path and bytes, sorted; caches
+  left out). A cache keyed by it follows the code that computed the entry, not the commit: an edit in a dirty tree
+  changes it, a commit that touches only docs or results does not, and it works in a copy without ``.git``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+__all__ = ["UNKNOWN", "git_state", "source_hash", "REPO"]
+
+UNKNOWN = "unknown"
+PACKAGE = Path(__file__).resolve().parent
+REPO = PACKAGE.parent  # the checkout crl runs from (a git work tree in development)
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_state(repo: str | os.PathLike = REPO, ignore: tuple[str | os.PathLike, ...] = ()) -> dict:
+    """``{"commit": sha | "unknown", "dirty": bool | "unknown"}`` of the git checkout at ``repo``. Dirty: ``git status
+    --porcelain`` (tracked changes and untracked files) lists a path outside ``runs/`` and outside each of ``ignore``
+    (e.g. a sweep's output directory inside the checkout): a run's own outputs do not make the code dirty."""
+    repo = Path(repo)
+    commit = _git("rev-parse", "HEAD", cwd=repo)
+    if commit is None:
+        return {"commit": UNKNOWN, "dirty": UNKNOWN}
+    top = Path((_git("rev-parse", "--show-toplevel", cwd=repo) or str(repo)).strip())
+    excluded = [top / "runs", *(Path(p).resolve() for p in ignore)]
+    status = _git("status", "--porcelain", "--", ".", *(f":(exclude){p.relative_to(top)}" for p in excluded if p.is_relative_to(top)),
+                  cwd=top)
+    return {"commit": commit.strip(), "dirty": UNKNOWN if status is None else bool(status.strip())}
+
+
+def source_hash(package: str | os.PathLike = PACKAGE) -> str:
+    """SHA-256 (hex) of the sources of the package at ``package``: every file's path relative to it and its bytes, in
+    sorted order; ``__pycache__`` and compiled files left out."""
+    root = Path(package)
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if not p.is_file() or "__pycache__" in p.parts or p.suffix in (".pyc", ".pyo", ".so"):
+            continue
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
