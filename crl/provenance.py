@@ -4,18 +4,20 @@ of crl's own sources (for caches).
 * :func:`git_state` — ``{"commit", "dirty"}`` of the repository holding crl: ``git rev-parse HEAD`` and whether
   ``git status --porcelain`` lists anything outside the run outputs (``runs/`` and the paths given); ``"unknown"``
   for both outside a git checkout or without git.
-* :func:`source_hash` — SHA-256 over every file of the installed ``crl`` package (path and bytes, sorted; caches
-  left out). A cache keyed by it follows the code that computed the entry, not the commit: an edit in a dirty tree
-  changes it, a commit that touches only docs or results does not, and it works in a copy without ``.git``.
+* :func:`source_hash` — SHA-256 over every file of a package (path and bytes, sorted; caches left out);
+  :func:`crl_source_hash` — crl's, once per process. A cache keyed by it follows the code that computed the entry,
+  not the commit: an edit in a dirty tree changes it, a commit that touches only docs or results does not, and it
+  works in a copy without ``.git``.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["UNKNOWN", "git_state", "source_hash", "REPO"]
+__all__ = ["UNKNOWN", "git_state", "source_hash", "crl_source_hash", "REPO"]
 
 UNKNOWN = "unknown"
 PACKAGE = Path(__file__).resolve().parent
@@ -56,3 +58,10 @@ def source_hash(package: str | os.PathLike = PACKAGE) -> str:
         h.update(p.relative_to(root).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(p.read_bytes()).digest())
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def crl_source_hash() -> str:
+    """:func:`source_hash` of the crl package, computed at its first use in this process and kept: the code the
+    process runs (its modules are loaded by then), not an edit made to the files on disk while it runs."""
+    return source_hash(PACKAGE)

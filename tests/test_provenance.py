@@ -59,3 +59,11 @@ def test_source_hash_follows_every_source_byte_and_name(tmp_path):
     assert source_hash(pkg) == h
     (pkg / "sub" / "b.json").rename(pkg / "sub" / "c.json")
     assert source_hash(pkg) != h
+
+
+def test_crl_source_hash_is_the_code_this_process_loaded():
+    """Computed once per process: files edited on disk while a run goes on do not change the key of what it computes."""
+    from crl.provenance import PACKAGE, crl_source_hash
+
+    assert crl_source_hash() == crl_source_hash() and len(crl_source_hash()) == 64
+    assert crl_source_hash.cache_info().currsize == 1 and PACKAGE.name == "crl"

@@ -240,3 +240,46 @@ def test_balanced_content_adds_the_batch_imbalance_of_the_codes():
     with torch.no_grad():
         lm.lm_head.weight[codes] = lm.lm_head.weight[codes[0]].clone()
         assert float(nll_loss(actor, batch, balance=True) - nll_loss(actor, batch)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_cache_key_covers_the_code_the_precision_and_the_kernel_path(tmp_path, monkeypatch):
+    """warm_start_cached reuses an entry only for the same inputs *and* the same code (a hash of crl's sources), the
+    same precision (parameter dtype, autocast) and the same torch CPU kernel path; each change computes anew, and the
+    entry's inputs.json says what the key stood for."""
+    import copy
+    import json
+
+    from crl.warm_start import demonstrations
+
+    calls = []
+
+    def compute(log, resume=None, checkpoint=None):
+        calls.append(1)
+        return 1.0
+
+    model, inputs = torch.nn.Linear(2, 2), {"seed": 0}
+    run = lambda m: demonstrations.warm_start_cached(tmp_path, inputs, m, compute, lambda *a: None)  # noqa: E731
+    run(model)
+    run(model)
+    assert len(calls) == 1  # the same: reused
+    run(copy.deepcopy(model).to(torch.bfloat16))
+    assert len(calls) == 2  # another dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run(model)
+    assert len(calls) == 3  # autocast
+    with monkeypatch.context() as m:
+        m.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER")
+        run(model)
+    assert len(calls) == 4  # another kernel path
+    with monkeypatch.context() as m:
+        m.setattr(demonstrations, "crl_source_hash", lambda: "0" * 64)
+        run(model)
+    assert len(calls) == 5  # other code
+    run(model)
+    assert len(calls) == 5  # and the first entry is still there
+    keyed = [json.loads((e / "inputs.json").read_text()) for e in tmp_path.iterdir() if e.is_dir()]
+    assert len(keyed) == 5 and all(k["seed"] == 0 for k in keyed)
+    assert {k["precision"]["dtype"] for k in keyed} == {"torch.float32", "torch.bfloat16"}
+    assert {k["precision"]["autocast"] for k in keyed} == {None, "torch.bfloat16"}
+    assert {k["kernels"] for k in keyed} == {torch.backends.cpu.get_cpu_capability(), "ANOTHER"}
+    assert {k["code"] for k in keyed} == {demonstrations.crl_source_hash(), "0" * 64}

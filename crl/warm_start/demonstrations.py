@@ -51,6 +51,7 @@ from crl.collectors.scripted import play_oracle_episode
 from crl.compaction import CompactionConfig, CompactionEngine
 from crl.episode import EpisodeStatus, build_episode, concat_episodes
 from crl.io import as_write_error, atomic_dir, atomic_torch_save
+from crl.provenance import crl_source_hash
 
 
 FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format tokens from content tokens
@@ -309,6 +310,26 @@ def warm_start(
     return float(loss.detach())
 
 
+def cache_key(inputs: dict, model: torch.nn.Module) -> tuple[str, dict]:
+    """``(KEY, keyed)``: the cache key of a warm start of ``model`` from ``inputs``, and what it stands for. ``keyed`` is
+    ``inputs`` plus what else changes the result bit for bit:
+
+    * ``code``: the SHA-256 of the crl package's sources as this process loaded them
+      (:func:`crl.provenance.crl_source_hash`). By content, not the commit: an uncommitted edit counts, a commit of
+      docs or results does not, and it works without ``.git``. The whole package, since the warm start reads most of
+      it (models, envs, compaction, prompts, tokenizer) and a hand-kept list would miss a dependency silently.
+    * ``torch``: its version; ``precision``: the parameter dtype, the device type, the autocast dtype when on;
+    * ``kernels``: ``torch.backends.cpu.get_cpu_capability()``, the ATen CPU kernel path (``ATEN_CPU_CAPABILITY``).
+
+    KEY: the first 20 hex digits of the SHA-256 of ``keyed`` as sorted JSON."""
+    param = next(model.parameters())
+    device = param.device.type
+    keyed = {**inputs, "code": crl_source_hash(), "torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability(),
+             "precision": {"dtype": str(param.dtype), "device": device,
+                           "autocast": str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None}}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()[:20], keyed
+
+
 def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, compute: Callable, log: Callable[[dict, int], None],
                       report: Callable[[str], None] | None = None, resumable: bool = True) -> float:
     """``compute(log, resume, checkpoint)`` (a :func:`warm_start` of ``model``) at most once per distinct ``inputs``,
@@ -316,8 +337,8 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
 
     The ablation arms of one seed share everything the warm start reads (model, task, compaction, prompt,
     warm-start settings, seed) and differ only in what happens after it, so a study computes each seed's warm
-    start once. The entry ``cache_dir/KEY`` (KEY = SHA-256 of ``inputs`` as sorted JSON) holds ``inputs.json``
-    (what the key stands for), ``state.pt`` (the weights, the last NLL and the torch CPU RNG state after the warm
+    start once. The entry ``cache_dir/KEY`` (KEY: :func:`cache_key`, of ``inputs``, the code, precision and kernel
+    path) holds ``inputs.json`` (what the key stands for), ``state.pt`` (the weights, the last NLL and the torch CPU RNG state after the warm
     start) and ``log.json`` (the ``(metrics, step)`` lines it logged). A hit loads the weights, restores the RNG
     state and replays the lines into ``log``, so the run continues bit-identically to one that computed it
     (tests/test_trainer.py). The entry is written atomically; an ``flock`` on ``cache_dir/KEY.lock`` makes a
@@ -333,8 +354,7 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
     ``probe_every`` steps. The file goes once the entry is written. ``resumable=False`` (a warm start that cannot
     checkpoint itself, under ZeRO-3) neither reads nor writes it: ``compute`` then gets ``None`` for both.
     """
-    blob = json.dumps(inputs, sort_keys=True, default=str)
-    key = hashlib.sha256(blob.encode()).hexdigest()[:20]
+    key, inputs = cache_key(inputs, model)
     cache_dir, entry = Path(cache_dir), Path(cache_dir) / key
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -347,7 +367,7 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
             for metrics, step in json.loads((entry / "log.json").read_text()):
                 log(metrics, step)
             if report is not None:
-                report(f"warm start: reused the failed one of {entry} (same model, task, warm-start settings and seed)")
+                report(f"warm start: reused the failed one of {entry} (same model, task, warm-start settings, seed, code, precision and kernels)")
             raise WarmStartError((entry / "error.txt").read_text())
         if (entry / "state.pt").is_file() and (entry / "log.json").is_file():
             device = next(model.parameters()).device
@@ -357,7 +377,7 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
             for metrics, step in json.loads((entry / "log.json").read_text()):
                 log(metrics, step)
             if report is not None:
-                report(f"warm start: reused {entry} (same model, task, warm-start settings and seed)")
+                report(f"warm start: reused {entry} (same model, task, warm-start settings, seed, code, precision and kernels)")
             return float(state["nll"])
         partial, lines, resume = cache_dir / f"{key}.partial.pt", [], None
 
