@@ -181,6 +181,46 @@ def test_relative_markdown_links_resolve():
     assert not broken, "\n".join(broken)
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of the Markdown file ``path`` (outside code fences): lower case, every
+    character but word characters, hyphens and spaces dropped, spaces to hyphens; a repeat gets ``-1``, ``-2``, ..."""
+    anchors, fenced = set(), False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            n, unique = 0, slug
+            while unique in anchors:
+                n += 1
+                unique = f"{slug}-{n}"
+            anchors.add(unique)
+    return anchors
+
+
+def test_markdown_anchors_name_a_heading():
+    """A link to ``file.md#anchor`` (or ``#anchor`` in the same file) names a heading that exists: a renamed heading
+    silently breaks its links otherwise (docs/robustness.md linked a heading that had been shortened)."""
+    checked, broken, anchors = 0, [], {}
+    for f in scanned_files():
+        if f.suffix != ".md":
+            continue
+        for no, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            for m in MD_LINK_RE.finditer(line):
+                target, _, fragment = m.group(1).partition("#")
+                if not fragment or re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                    continue
+                resolved = (f.parent / target).resolve() if target else f
+                if resolved.suffix != ".md" or not resolved.is_file():
+                    continue
+                checked += 1
+                if fragment not in anchors.setdefault(resolved, heading_anchors(resolved)):
+                    broken.append(f"{_rel(f)}:{no}: {target or _rel(f)} has no heading with anchor #{fragment}")
+    assert checked > 20, "too few Markdown anchors found: the scanner is broken"
+    assert not broken, "\n".join(broken)
+
+
 def test_design_sections_cited_exist():
     sections = design_sections()
     assert set(range(1, 12)) <= sections, f"docs/design.md must keep sections 1-11 (has {sorted(sections)})"
