@@ -102,7 +102,11 @@ class Trainer:
         try:
             self._setup(cfg)
         except BaseException:
-            self._release_lock()
+            try:  # a sampler started before the failure (a vLLM engine's processes) is not left running
+                if getattr(self, "sampler", None) is not None:
+                    self.sampler.close()
+            finally:
+                self._release_lock()
             raise
 
     def _setup(self, cfg: Config) -> None:

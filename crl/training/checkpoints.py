@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -41,7 +42,7 @@ from crl.evidence import checkpoint_dir, write_evidence
 from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, commit_dir, current_umask
 from crl.run_dir import RunDirError, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 
-__all__ = ["RunCheckpoints", "POLICY_DIR", "FROZEN_POLICY_DIR", "CRITIC_FILE", "OPTIMIZER_DIR", "WEIGHTS_FILE", "save_model_dir",
+__all__ = ["RunCheckpoints", "read_by_rank", "POLICY_DIR", "FROZEN_POLICY_DIR", "CRITIC_FILE", "OPTIMIZER_DIR", "WEIGHTS_FILE", "save_model_dir",
            "save_weights", "load_weights_", "optimizer_file"]
 
 POLICY_DIR = "policy"
@@ -54,6 +55,18 @@ WEIGHTS_FILE = "model.safetensors"  # transformers' single-file name
 def optimizer_file(name: str, rank: int | None) -> str:
     """``optimizer/NAME.pt`` (one state for every rank) or ``optimizer/NAME_rankR.pt`` (rank R's ZeRO partition)."""
     return f"{OPTIMIZER_DIR}/{name}.pt" if rank is None else f"{OPTIMIZER_DIR}/{name}_rank{rank}.pt"
+
+
+_PARTITION = re.compile(rf"^{OPTIMIZER_DIR}/\w+_rank(\d+)\.pt$")
+
+
+def read_by_rank(rank: int):
+    """Whether rank ``rank`` reads a checkpoint file (its path relative to the checkpoint) when it resumes: every shared
+    file (weights, trainer state, configs, tokenizer) and its own ZeRO optimizer partition, not another rank's."""
+    def reads(rel: str) -> bool:
+        m = _PARTITION.match(rel)
+        return m is None or int(m.group(1)) == rank
+    return reads
 
 
 def save_weights(state_dict: dict, path: str | os.PathLike, tied: tuple[str, ...] = ()) -> None:
@@ -153,19 +166,45 @@ class RunCheckpoints:
     def resume_checkpoint(self) -> tuple[Path | None, dict | None]:
         """``checkpoint.resume``: auto/force → the newest checkpoint of run_dir that verifies; never; or a given one.
         Returns it and its ``meta.json`` (None, None: a fresh run). Refuses one written with another config (unless
-        ``checkpoint.resume=force``)."""
+        ``checkpoint.resume=force``).
+
+        One choice for every rank: rank 0 picks the checkpoint (every file of its manifest present with its size, the
+        files rank 0 reads matching their SHA-256) and broadcasts its name; each rank then hashes only the files it
+        reads (:func:`read_by_rank`: the shared ones and its own optimizer partition) in its own view of run_dir. If
+        a rank cannot find or verify what rank 0 chose (a stale listing of a shared filesystem, a file altered since),
+        every rank stops with the same one line (:class:`~crl.run_dir.RunDirError`) instead of resuming apart."""
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             return None, None
-        if resume in ("auto", "force"):
-            checkpoint = newest_intact_checkpoint(self.run_dir, report=print if self.is_main else (lambda _: None))
-        else:
-            reason = verify_checkpoint(resume)
-            if reason is not None:
-                raise RunDirError(f"checkpoint.resume={resume} cannot be used: {reason}")
-            checkpoint = Path(resume)
-        if checkpoint is None:
+        error = name = checkpoint = None
+        if self.is_main:
+            try:  # whatever happens here, the other ranks must hear of it (they wait in the broadcast)
+                if resume in ("auto", "force"):
+                    checkpoint = newest_intact_checkpoint(self.run_dir, report=print, hashed=read_by_rank(0))
+                else:
+                    checkpoint = Path(resume)
+                    reason = verify_checkpoint(checkpoint, read_by_rank(0))
+                    if reason is not None:
+                        error, checkpoint = f"checkpoint.resume={resume} cannot be used: {reason}", None
+            except OSError as err:
+                error, checkpoint = f"rank 0 cannot read the checkpoints of {self.run_dir}: {err}", None
+            name = None if checkpoint is None else os.path.relpath(checkpoint, self.run_dir)
+        error, name = self._from_rank0([error, name])
+        if error is not None:
+            raise RunDirError(error)
+        if name is None:
             return None, None
+        checkpoint = checkpoint if self.is_main else self.run_dir / name
+        mine = None if self.is_main else verify_checkpoint(checkpoint, read_by_rank(self.rank))
+        failed = [(r, why, where) for r, (why, where) in enumerate(self._from_every_rank((mine, str(self.run_dir)))) if why is not None]
+        if failed:  # the same line on every rank
+            r, why, where = failed[0]
+            raise RunDirError(
+                f"rank {r} cannot resume from {name}, the checkpoint rank 0 chose ({where}): {why}"
+                + (f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else "")
+                + "; every process must see the same run_dir (a shared filesystem's stale listing? a file altered since?): "
+                "relaunch once it does, or remove that checkpoint to resume from the one before"
+            )
         meta = json.loads((checkpoint / "meta.json").read_text())
         diff = config_diff(meta["config"], to_dict(self.cfg), defaults=to_dict(Config()))
         if diff and self.cfg.checkpoint.resume != "force":
@@ -174,6 +213,20 @@ class RunCheckpoints:
                 + "; ".join(diff) + ". Use another run_dir, or checkpoint.resume=force to continue with the new settings"
             )
         return checkpoint, meta
+
+    def _from_rank0(self, obj: list) -> list:
+        """``obj`` as rank 0 has it, on every rank (a broadcast over the default process group)."""
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(obj, src=0)
+        return obj
+
+    def _from_every_rank(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.world > 1 and torch.distributed.is_initialized():
+            out = [None] * self.world
+            torch.distributed.all_gather_object(out, obj)
+            return out
+        return [obj]
 
     def check_layout(self, checkpoint: Path, meta: dict, layout: str) -> None:
         """Refuse, before any model is built, a resume this run cannot continue exactly: a checkpoint of an older
