@@ -225,13 +225,31 @@ def test_ignored_generation_keys_name_what_shapes_sampling_only():
     assert ignored_generation_keys(g) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
 
 
+# The first update's approx_kl allowed in each precision. approx_kl = E[e^δ - 1 - δ] ≈ E[δ²] / 2, δ = the learner's
+# log-prob minus the sampler's for one token. Both run the same weights in the same precision but not the same kernels
+# (the sampler one token at a time with a KV cache, the learner the whole sequence: other GEMM shapes and summation
+# orders; native bf16 GEMMs on AVX512_BF16 / AMX, bf16 emulated through fp32 ones on AVX2), so each rounds activations
+# and logits to the precision's grid on its own: at logits of order 1 two roundings differ by about one ulp,
+# eps = torch.finfo(dtype).eps (bf16 2^-7), so δ_rms ≲ eps and approx_kl ≲ eps² / 2. Added: the float32 arithmetic of
+# the metric itself (e^δ - 1 - δ per token), a floor of about float32 eps that dominates in fp32. Measured: fp32
+# 2.7e-9 (AVX2, here), 8.5e-9 (AVX-512); bf16 7e-9 (AVX2), 0 (ATEN_CPU_CAPABILITY=default), 2.45e-6 (an AVX512_BF16
+# EPYC: δ_rms ≈ 2e-3 ≈ eps / 4) — all under the bounds (fp32 1.2e-7, bf16 3.1e-5), while a wrong ratio is far above
+# them: the learner's temperature 1 % off gives ~2e-4 (checked on the test's own batch).
+FIRST_UPDATE_KL_BOUND = {p: torch.finfo(torch.float32).eps + torch.finfo(dtype).eps ** 2 / 2
+                         for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+
+
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, precision):
     """Issue 27 defect 2: with bf16 mixed precision (``train.precision=bf16``; auto on a CUDA GPU) accelerate autocast
     only the learner's forward while the sampler ran the same model in fp32, so the first PPO ratio was not 1 (here:
     approx_kl 8e-6 on the default task, the same run with sampling under autocast 1e-8). The trainer samples under
     the learner's autocast; the first update's approx_kl (one minibatch: every row at the weights that sampled it) is
-    float noise and nothing is clipped, in fp32 and in bf16 (CPU autocast here, where bf16 runs without a GPU)."""
+    float noise and nothing is clipped, in fp32 and in bf16 (CPU autocast here, where bf16 runs without a GPU).
+
+    Issue 40 item 7: the bound follows from the precision (FIRST_UPDATE_KL_BOUND), so native bf16 kernels (AVX512_BF16)
+    pass as emulated ones do; the defence itself is checked exactly: every sampler forward runs under the learner's
+    autocast. And the bound is shown to catch a wrong ratio (a 1 % temperature mismatch) on the same batch."""
     from accelerate.state import AcceleratorState
 
     from crl.config import load_config
@@ -245,10 +263,36 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
     trainer = Trainer(cfg)
     try:
         assert trainer.accelerator.mixed_precision == ("bf16" if precision == "bf16" else "no")
-        batch = trainer.compute_advantages(trainer.collect())
+        device, dtype = trainer.device.type, (torch.bfloat16 if precision == "bf16" else None)
+        sampled_in = set()  # the autocast of every forward the sampler makes: the learner's precision (issue 27 defect 2)
+        hook = trainer.sampler.gen_lm.register_forward_pre_hook(
+            lambda module, args: sampled_in.add(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None))
+        try:
+            batch = trainer.compute_advantages(trainer.collect())
+        finally:
+            hook.remove()
+        assert sampled_in == {dtype}, f"the sampler ran under autocast {sampled_in}, the learner under {dtype}"
+        bound = FIRST_UPDATE_KL_BOUND[precision]
+        assert mismatched_temperature_kl(trainer, batch, 1.01) > 3 * bound  # the bound would see a ratio that is wrong
         trainer.update_policy(batch, 0)
         metrics = trainer.ppo.report.policy.logged("policy/")
-        assert metrics["policy/approx_kl"][0] < 1e-7 and metrics["policy/clip_fraction"][0] == 0, metrics["policy/approx_kl"]
+        assert metrics["policy/approx_kl"][0] < bound and metrics["policy/clip_fraction"][0] == 0, (metrics["policy/approx_kl"], bound)
     finally:
         trainer.close()
         AcceleratorState._reset_state()
+
+
+def mismatched_temperature_kl(trainer, batch, factor: float) -> float:
+    """approx_kl of ``batch`` re-scored by the trainer's learner (its autocast) with its temperature times ``factor``."""
+    from crl.modules.models import CausalLMLogProbs
+
+    (learner,) = [m for m in trainer.actor.modules() if isinstance(m, CausalLMLogProbs)]
+    spec = learner.sampling
+    learner.sampling = SamplingSpec(spec.temperature * factor, spec.top_p, spec.stop_token_ids, spec.suppress_ids)
+    try:
+        with torch.no_grad(), trainer.accelerator.autocast():
+            log_prob = trainer.actor(batch.select("tokens", "attention_mask").clone())["log_prob"]
+    finally:
+        learner.sampling = spec
+    d = (log_prob - batch["sample_log_prob"])[batch["loss_mask"]].double()
+    return float((d.exp() - 1 - d).mean())
