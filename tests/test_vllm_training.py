@@ -91,6 +91,28 @@ def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
     assert report["backend"] == "vllm" and report["success"] == logged[2]
 
 
+def test_a_lora_policy_reaches_the_engine_merged(ckpt, tmp_path):
+    """model.lora with vLLM: every sync writes the adapters folded into the base weights (crl/modules/lora.py), so the
+    engine samples the learner's adapted policy — after the warm start (adapters non-zero) and after each update: the
+    behaviour log-probs equal the learner's to TOL, approx_kl ~ 0 at every first minibatch, audit PASS. Without the
+    merge the engine would keep the base weights and the gap would be the warm start's whole effect."""
+    from crl.trainer import Trainer
+
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(ROOT / "configs/default.yaml", [f"run_dir={run}", f"model.preset={ckpt}", *VLLM, "warm_start.steps=20",
+                                                                   "model.lora.enabled=true", "model.lora.rank=4", "train.iterations=2",
+                                                                   "checkpoint.evidence_every=1", "eval.every=0"]))
+    assert any(p.abs().max() > 0 for n, p in trainer.lm.named_parameters() if "lora_B.default" in n), "the warm start moved no adapter"
+    rollout = trainer.collect()
+    assert learner_gap(trainer, rollout) < TOL
+    trainer.fit()
+    recs = metrics(run)
+    assert [r["step"] for r in recs if "policy/approx_kl" in r] == [1, 2]
+    assert all(abs(r["policy/approx_kl"]) < TOL for r in recs if "policy/approx_kl" in r)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr
+
+
 def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckpt, tmp_path):
     """Issue 27 item 1 on the vLLM backend: the policy directory's generation_config.json sets a repetition penalty, an
     n-gram ban and a top-k (what a real checkpoint can ship). The engine samples crl's distribution, so the learner

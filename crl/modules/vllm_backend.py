@@ -193,6 +193,7 @@ def weight_bytes(lm: nn.Module) -> int:
 def export_weights(lm: nn.Module, directory: str | os.PathLike, *, write: bool = True) -> int:
     """Write ``lm``'s parameters (Hugging Face names) into ``directory``, one safetensors file per module, in module
     order; a tied weight (``lm_head.weight`` sharing the embedding) is written once. Returns the number of tensors.
+    A LoRA policy (``model.lora``) is written merged, in one file, under the base model's names.
 
     DeepSpeed ZeRO-3 partitioned parameters are gathered one module at a time (``GatheredParameters``) and released
     before the next, so no rank holds the whole model; every rank must call it then, and ``write`` says which one
@@ -200,9 +201,15 @@ def export_weights(lm: nn.Module, directory: str | os.PathLike, *, write: bool =
     """
     from safetensors.torch import save_file
 
+    from crl.modules.lora import is_lora, merged_state_dict
     from crl.modules.zero3 import is_partitioned
 
     directory = Path(directory)
+    if is_lora(lm):  # the engine serves the base architecture: the adapters folded into its weights (crl/modules/lora.py)
+        tensors = unique_tensors(merged_state_dict(lm))
+        if write:
+            save_file(tensors, str(directory / "000000.safetensors"))
+        return len(tensors)
     seen: set[int] = set()
     count = 0
     for i, (mod_name, mod) in enumerate(lm.named_modules()):
