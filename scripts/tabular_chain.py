@@ -8,7 +8,8 @@ evaluates each on held-out 96-step episodes, applies the pre-registered gate (jo
 ≥ 90 %, joint − frozen ≥ 30 points) and writes, atomically:
 
 * ``<out>/report.json`` — per-seed accuracies per arm, the gate's criteria with measured values, the verdict,
-  wall time, configuration;
+  wall time, configuration, ``code`` (the git commit and dirty-tree flag every run of this invocation ran with,
+  :func:`crl.provenance.git_state`);
 * ``<out>/curves.png`` — held-out accuracy vs iteration of every arm (mean and per seed);
 * ``<out>/histories.json`` — per-iteration training metrics of every run.
 
@@ -37,6 +38,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from crl.experiments import tabular_chain as tc  # noqa: E402
 from crl.io import atomic_write, atomic_write_json  # noqa: E402
+from crl.provenance import git_state  # noqa: E402
 
 SEEDS = (7, 17, 29)
 
@@ -197,6 +199,7 @@ def main(argv=None) -> int:
         "workers": args.workers,
         "config": base_cfg.to_json(),
         "host": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
+        "code": git_state(ignore=(out,)),
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
     }
     atomic_write_json(out / "report.json", report)

@@ -4,6 +4,7 @@ behaviour log-probs against an independent computation, and a seconds-long smoke
 import importlib.util
 import json
 import math
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -240,3 +241,5 @@ def test_script_quick_writes_report(tmp_path, monkeypatch):
     iter0 = [report["arms"][arm]["per_seed"]["7"]["iter0_dev_accuracy"] for arm in ("joint", "frozen")]
     assert iter0[0] == iter0[1] and report["arms"]["frozen"]["mean_iter0_dev_accuracy"] == iter0[1]
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    assert report["code"]["commit"] == head and report["code"]["dirty"] in (True, False, "unknown")  # the code every run ran
