@@ -5,7 +5,8 @@
 
 Loads only what an evaluation needs: the run's ``config.yaml`` (task, compaction, prompt format, sampling) and the
 checkpoint's ``policy/`` — a standard transformers checkpoint with its tokenizer, whatever the run trained with
-(one process, DDP, DeepSpeed ZeRO-2 or ZeRO-3) — plus ``frozen_policy/`` for a frozen-summary run. No trainer, no
+(one process, DDP, DeepSpeed ZeRO-2 or ZeRO-3; with LoRA the adapters merged) — plus ``frozen_policy/`` for a
+frozen-summary run (with LoRA: ``model.preset`` with the frozen adapter of ``policy_adapter/frozen/``). No trainer, no
 critic, no optimizer, no run-directory lock: it can evaluate a run that is still training. Episodes are played by
 :func:`crl.evaluation.evaluate_policy`, the code path of the run's own ``dev/success``, each training rank's share
 with that rank's evaluation seeds, so with ``--episodes`` equal to the run's ``eval.episodes`` it reproduces the
@@ -58,7 +59,17 @@ def load_policy(run_dir: Path, checkpoint: Path | None = None, episodes: int = 2
     C = cfg.compaction.context_capacity
     load = lambda path: build_causal_lm(str(path), vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id).eval()  # noqa: E731
     lm = load(checkpoint / ckpt_files.POLICY_DIR) if cfg.model.backend == "transformers" else None  # vLLM reads policy/ itself
-    frozen = load(checkpoint / ckpt_files.FROZEN_POLICY_DIR) if cfg.algo.frozen_summary else None
+    frozen = None
+    if cfg.algo.frozen_summary and cfg.model.lora.enabled:  # model.preset's weights with the frozen adapter (crl/modules/lora.py)
+        from peft import PeftModel
+
+        from crl.modules.lora import ADAPTER_DIR, FROZEN_ADAPTER
+
+        base = load_config(run_dir / "config.yaml")
+        base_lm = build_causal_lm(base.model.preset, vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id, seed=base.train.seed)
+        frozen = PeftModel.from_pretrained(base_lm, checkpoint / ADAPTER_DIR / FROZEN_ADAPTER).eval()
+    elif cfg.algo.frozen_summary:
+        frozen = load(checkpoint / ckpt_files.FROZEN_POLICY_DIR)
     return cfg, checkpoint, meta, codec, prompt_format, lm, frozen
 
 

@@ -158,6 +158,15 @@ def test_a_lora_run_resumed_equals_an_uninterrupted_one_and_its_merged_policy_sa
     assert _metrics(straight) == _metrics(split)
     audit(straight)
     audit(split)
+    # scripts/evaluate.py on the last checkpoint (merged policy/, and the frozen adapter for frozen_summary) reproduces
+    # the run's own last dev/success
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    logged = [r for r in (json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()) if "dev/success" in r][-1]
+    assert ev.evaluate_checkpoint(straight, None, "dev", 4)["success"] == logged["dev/success"]
 
     # the last checkpoint: policy/ is a plain transformers model; the adapter loads onto the base with peft
     from peft import PeftModel
