@@ -71,6 +71,12 @@ SEEDS = (7, 17, 29)
 #: the joint arm's mean >= 0.95, every joint seed >= 0.90, joint mean - frozen mean >= 0.30, and every audit PASS.
 GATE = {"joint_mean": 0.95, "joint_min": 0.90, "joint_minus_frozen": 0.30}
 
+#: The pretrained-model study's preregistered gate (issue 39; docs/lm_lora.md, docs/results/lm_lora_prereg.json), per
+#: seed: joint's final evaluation >= frozen's of the same seed + 0.15, and joint's last dev success >= its own iteration-0
+#: dev success + 0.15 (the same dev episodes), on every seed; every audit PASS.
+PRETRAINED_GATE = {"joint_minus_frozen_every_seed": 0.15, "joint_gain_every_seed": 0.15}
+GATES = ("chain", "pretrained")  # --gate: which preregistered gate the report judges (constants, never thresholds)
+
 #: Overrides of ``--quick``: the sweep's (2 iterations, a 100-step warm start, 8 dev episodes, ...) on a tiny task
 #: that still compacts 3 times (without a curriculum).
 QUICK = ["env.length=4", "env.compaction_steps=[1,2,3]", "train.curriculum=[]", *SWEEP_QUICK]
@@ -92,6 +98,7 @@ class Study(Sweep):
     def __init__(self, args):
         self.config_dir = Path(args.config_dir).resolve()
         final = args.final_episodes if args.final_episodes is not None else (8 if args.quick else 240)
+        self.gate_name = args.gate
         super().__init__({arm: self.config_dir / f"{arm}.yaml" for arm in args.arms}, args.seeds, args.out,
                          overrides=[*(QUICK if args.quick else []), *args.set], parallel=args.parallel, final_episodes=final,
                          final_split=args.final_split, report_only=args.report_only, quick=args.quick, force=args.force)
@@ -151,7 +158,7 @@ class Study(Sweep):
         comp = [r for r in rows if r["compactions_max"] is not None]
         return {
             "task": task,
-            "gate": self.gate(arms),
+            "gate": self.gate(arms) if self.gate_name == "chain" else self.pretrained_gate(arms),
             "compactions_per_episode": int(round(max(r["compactions_max"] for r in comp))) if comp else 0,
             "compactions_per_episode_mean": sum(r["compactions_mean"] for r in comp) / len(comp) if comp else None,
             "machine": machine(),
@@ -193,9 +200,37 @@ class Study(Sweep):
         return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks,
                 "code": {"commits": commits, "dirty": dirty}}
 
+    @staticmethod
+    def pretrained_gate(arms: dict) -> dict | None:
+        """:data:`PRETRAINED_GATE`, seed by seed (a seed missing a final evaluation or an iteration-0 / last dev success
+        fails it); same layout as :meth:`gate`."""
+        if "joint" not in arms or "frozen" not in arms:
+            return None
+        joint, frozen = arms["joint"]["seeds"], arms["frozen"]["seeds"]
+        final = lambda s: s["final_eval"]["success"] if s and s.get("final_eval") else None  # noqa: E731
+        seeds = sorted(set(joint) | set(frozen))
+        gaps = [final(joint.get(k)) - final(frozen.get(k)) if final(joint.get(k)) is not None and final(frozen.get(k)) is not None else None
+                for k in seeds]
+        gains = [joint[k]["final_dev_success"] - joint[k]["iter0_dev_success"]
+                 if k in joint and joint[k].get("final_dev_success") is not None and joint[k].get("iter0_dev_success") is not None else None
+                 for k in seeds]
+        complete = all(g is not None for g in gaps + gains)
+        audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
+        low = lambda xs: min((x for x in xs if x is not None), default=None)  # noqa: E731
+        checks = {
+            "joint_minus_frozen_every_seed": {"value": low(gaps), "per_seed": dict(zip(seeds, gaps)), "threshold": PRETRAINED_GATE["joint_minus_frozen_every_seed"],
+                                              "pass": complete and low(gaps) >= PRETRAINED_GATE["joint_minus_frozen_every_seed"]},
+            "joint_gain_every_seed": {"value": low(gains), "per_seed": dict(zip(seeds, gains)), "threshold": PRETRAINED_GATE["joint_gain_every_seed"],
+                                      "pass": complete and low(gains) >= PRETRAINED_GATE["joint_gain_every_seed"]},
+            "all_audits_pass": {"value": audits, "threshold": True, "pass": audits},
+            "every_seed_evaluated": {"value": complete, "threshold": True, "pass": complete},
+        }
+        return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks}
+
     def title(self, report: dict) -> str:
         t = report["task"]
-        return (f"dev success, memory chain {t['length']}, {report['compactions_per_episode']} compactions"
+        what = f"memory chain {t['length']}" if t["env"] == "memory_chain" else t["env"]
+        return (f"dev success, {what}, {report['compactions_per_episode']} compactions"
                 f"{' (quick)' if t['quick'] else ''}")
 
     def conclude(self, report: dict) -> None:
@@ -228,6 +263,8 @@ def main(argv=None) -> int:
                     "(scripts/evaluate.py; default 240 = each of the 60 tasks 4 times; 8 with --quick; 0: none)")
     ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation (the reported "
                     "number; dev is also what the training curves use, so test is the held-out one)")
+    ap.add_argument("--gate", default="chain", choices=GATES, help="the preregistered gate the report judges: chain (GATE, the memory "
+                    "chain studies) or pretrained (PRETRAINED_GATE, issue 39's SmolLM2 study)")
     args = ap.parse_args(argv)
     if args.parallel < 1:
         ap.error("--parallel must be >= 1")

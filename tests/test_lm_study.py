@@ -351,3 +351,29 @@ def test_lm_study_quick_covers_the_group_estimator_and_the_test_split(tmp_path):
         assert s["audit"] == "PASS" and s["final_eval"]["split"] == "test" and (out / s["run_dir"] / "eval_test_8.json").is_file(), arm
     meta = json.loads((out / group["seeds"]["7"]["run_dir"] / "evidence" / "iter_000001" / "rank_0" / "meta.json").read_text())
     assert meta["estimator"]["name"] == "group"
+
+
+def test_the_pretrained_gate_is_judged_seed_by_seed():
+    """PRETRAINED_GATE (issue 39's preregistration): joint >= frozen + 0.15 and joint's last dev >= its iteration-0 dev
+    + 0.15 on *every* seed; one seed short of either, a missing evaluation or a failed audit is a FAIL."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lm_study_script", ROOT / "scripts" / "lm_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def arms(joint_final, frozen_final, start, last, audit="PASS"):
+        seed = lambda f, i0, l: {"final_eval": None if f is None else {"success": f}, "iter0_dev_success": i0, "final_dev_success": l, "audit": audit}  # noqa: E731
+        return {"joint": {"seeds": {str(k): seed(j, s, l) for k, (j, s, l) in enumerate(zip(joint_final, start, last))}},
+                "frozen": {"seeds": {str(k): seed(f, 0.1, 0.1) for k, f in enumerate(frozen_final)}}}
+
+    gate = mod.Study.pretrained_gate
+    assert gate(arms([0.6, 0.5], [0.3, 0.3], [0.2, 0.3], [0.6, 0.5]))["verdict"] == "PASS"
+    # the mean gap is 0.2 but one seed's is 0.1: the rule is per seed
+    out = gate(arms([0.7, 0.4], [0.3, 0.3], [0.2, 0.2], [0.7, 0.4]))
+    assert out["verdict"] == "FAIL" and not out["checks"]["joint_minus_frozen_every_seed"]["pass"]
+    assert out["checks"]["joint_minus_frozen_every_seed"]["value"] == pytest.approx(0.1)
+    out = gate(arms([0.6, 0.6], [0.3, 0.3], [0.2, 0.5], [0.6, 0.6]))  # seed 1 gained only 0.1 over its iteration 0
+    assert out["verdict"] == "FAIL" and not out["checks"]["joint_gain_every_seed"]["pass"]
+    assert gate(arms([0.6, None], [0.3, 0.3], [0.2, 0.2], [0.6, 0.6]))["verdict"] == "FAIL"  # a seed not evaluated
+    assert gate(arms([0.6, 0.6], [0.3, 0.3], [0.2, 0.2], [0.6, 0.6], audit="FAIL"))["verdict"] == "FAIL"
