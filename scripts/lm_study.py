@@ -71,7 +71,7 @@ SEEDS = (7, 17, 29)
 #: the joint arm's mean >= 0.95, every joint seed >= 0.90, joint mean - frozen mean >= 0.30, and every audit PASS.
 GATE = {"joint_mean": 0.95, "joint_min": 0.90, "joint_minus_frozen": 0.30}
 
-#: The pretrained-model study's preregistered gate (issue 39; docs/lm_lora.md, docs/results/lm_lora_prereg.json), per
+#: The pretrained-model study's gate (issue 39; docs/lm_lora.md: written before its preregistration, which names it), per
 #: seed: joint's final evaluation >= frozen's of the same seed + 0.15, and joint's last dev success >= its own iteration-0
 #: dev success + 0.15 (the same dev episodes), on every seed; every audit PASS.
 PRETRAINED_GATE = {"joint_minus_frozen_every_seed": 0.15, "joint_gain_every_seed": 0.15}

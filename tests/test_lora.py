@@ -204,3 +204,16 @@ def test_lora_trains_under_zero2_on_two_ranks_resumes_and_passes_the_audit(tmp_p
     audit(run)
     for rank in (0, 1):  # each rank's ZeRO partition holds the adapters' optimizer state only
         assert (sorted((run / "checkpoints").glob("iter_*"))[-1] / "optimizer" / f"actor_rank{rank}.pt").is_file()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("arm", ["joint", "frozen"])
+def test_the_lm_lora_configs_load_and_fit_their_token_budgets_with_smollm2(smollm2_dir, arm):
+    """`make train-lm`'s config and its control: valid at load time and within their token budgets (Eqs. 7-9) with the
+    real tokenizer and chat template — what a Trainer checks before it writes anything."""
+    from crl.builders import build_prompt_format, build_tokenizer, check_budgets
+
+    cfg = load_config(ROOT / "configs" / "lm_lora" / f"{arm}.yaml", [f"model.preset={smollm2_dir}"])
+    assert cfg.model.lora.enabled and cfg.algo.frozen_summary == (arm == "frozen")
+    codec = build_tokenizer(cfg)
+    check_budgets(cfg, codec, build_prompt_format(cfg, codec))
