@@ -6,6 +6,7 @@ connection, no process of the run survives), and mode ``none`` shows the same pr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -356,20 +357,8 @@ def test_killed_caller_leaves_no_orphans(bwrap, tmp_path):
 def test_non_root_caller(bwrap, tmp_path):
     """The unprivileged path (bwrap --unshare-user), as a non-root caller gets it: run as uid nobody with a system
     Python that nobody can execute (the venv's may live under /root)."""
-    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
-    if python is None or subprocess.run([python, "-c", "import sys; assert sys.version_info >= (3, 9)"]).returncode:
-        pytest.skip("no system python3 >= 3.9 for uid nobody")
     # outside /tmp (a private tmpfs inside) and writable by nobody on the host: only the sandbox stops the write
-    work = Path(tempfile.mkdtemp(prefix="crl-sandbox-nonroot-", dir="/var/tmp" if os.path.isdir("/var/tmp") else REPO))
-    try:
-        work.chmod(0o777)
-        (work / "crl").mkdir()
-        (work / "crl" / "__init__.py").write_text("")
-        for name in ("sandbox.py", "cgroups.py"):
-            shutil.copy(REPO / "crl" / name, work / "crl" / name)
-        import pyseccomp
-
-        shutil.copy(pyseccomp.__file__, work / "pyseccomp.py")  # the venv may be under /root
+    with _nobody_workdir("crl-sandbox-nonroot-") as (python, work):
         target = work / "escape.txt"
         script = textwrap.dedent(f"""
             import json, sys
@@ -389,8 +378,6 @@ def test_non_root_caller(bwrap, tmp_path):
         assert 4 <= int(forks) < 8, forks
         assert listing.strip() == f"['a.txt'] {SANDBOX_UID}" and "No such file or directory" in err, (listing, err)  # /var: absent
         assert not target.exists()
-    finally:
-        shutil.rmtree(work)
 
 
 # --- configuration errors -----------------------------------------------------------------------------------------
@@ -766,9 +753,11 @@ def test_no_way_into_a_namespace_as_root(mode, request):
     _escapes_denied(json.loads(r.stdout))
 
 
-def _as_nobody(script: str, tmp_prefix: str) -> subprocess.CompletedProcess:
-    """Run ``script`` as uid nobody with a system python3, crl's sandbox modules and pyseccomp copied to a directory
-    nobody can read (the venv may live under /root); skip where that cannot be set up."""
+@contextlib.contextmanager
+def _nobody_workdir(tmp_prefix: str):
+    """``(python, work)``: a system python3 uid nobody can run, and a directory (outside /tmp, writable by nobody) holding
+    crl's sandbox modules and pyseccomp (the venv may live under /root); removed afterwards. Skips where that cannot
+    be set up."""
     import pyseccomp
 
     if os.geteuid() != 0:
@@ -784,13 +773,19 @@ def _as_nobody(script: str, tmp_prefix: str) -> subprocess.CompletedProcess:
         for name in ("sandbox.py", "cgroups.py"):
             shutil.copy(REPO / "crl" / name, work / "crl" / name)
         shutil.copy(pyseccomp.__file__, work / "pyseccomp.py")
+        yield python, work
+    finally:
+        shutil.rmtree(work)
+
+
+def _as_nobody(script: str, tmp_prefix: str) -> subprocess.CompletedProcess:
+    """Run ``script`` as uid nobody in a :func:`_nobody_workdir` (its modules importable)."""
+    with _nobody_workdir(tmp_prefix) as (python, work):
         return subprocess.run(
             [python, "-c", f"import sys; sys.path.insert(0, {str(work)!r})\n" + script], capture_output=True, text=True,
             timeout=120, cwd="/", user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[],
             env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
         )
-    finally:
-        shutil.rmtree(work)
 
 
 def test_no_way_into_a_namespace_unprivileged(bwrap):
