@@ -128,7 +128,6 @@ class DecodeMeter:
             self.decode_s += dt
             self.ideal_decode_s += self.per_step_floor(rows)
         else:
-            mask = kwargs.get("attention_mask")
             self.prefill_positions += rows * width
             self.prefill_s += dt
 

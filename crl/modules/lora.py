@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["apply_lora", "is_lora", "merged_state_dict", "trainable_state_dict", "base_lm", "FrozenAdapterLM", "FROZEN_ADAPTER", "ADAPTER_DIR", "save_adapter", "load_adapter_"]
+__all__ = ["apply_lora", "is_lora", "merged_state_dict", "trainable_state_dict", "FrozenAdapterLM", "FROZEN_ADAPTER", "ADAPTER_DIR", "save_adapter", "load_adapter_"]
 
 ADAPTER_DIR = "policy_adapter"  # inside a checkpoint, beside policy/ (the merged model)
 
@@ -50,11 +50,6 @@ def apply_lora(lm: nn.Module, settings) -> nn.Module:
 def is_lora(lm: nn.Module) -> bool:
     """Whether ``lm`` carries peft adapters (built by :func:`apply_lora`)."""
     return hasattr(lm, "peft_config") and hasattr(lm, "get_base_model")
-
-
-def base_lm(lm: nn.Module) -> nn.Module:
-    """The ``transformers`` model under the adapters (its LoRA layers still injected); ``lm`` itself without LoRA."""
-    return lm.get_base_model() if is_lora(lm) else lm
 
 
 def merged_state_dict(lm: nn.Module) -> dict:
