@@ -195,6 +195,10 @@ class WarmStartConfig:
     batch_episodes: int = 16
     lr: float = 3e-3
     summary_content: str = "random"  # random | untrained | format | balanced (see crl/warm_start/demonstrations.py): never the correct content
+    # format-only summaries drawn per compaction point with format / balanced: a content position's set is what they
+    # put there, and misses one of K alternatives with probability ~ K (1 - 1/K)^n: 4e-4 for 4 codes at 32, 1e-4
+    # for 10 digits at 128 (the records task), 0.34 for 10 digits at 32
+    format_draws: int = 32
     # stop once the answer probe on train tasks (reading a fact from a correct summary) reaches this; steps is then
     # the maximum. null: exactly `steps` steps
     stop_answer_p: Optional[float] = None
@@ -494,6 +498,7 @@ def validate(cfg: Config) -> None:
     _need(cfg.warm_start.stop_answer_p is None or 0 < cfg.warm_start.stop_answer_p <= 1, "warm_start.stop_answer_p", "a probability in (0, 1], or null")
     _need(cfg.warm_start.probe_every >= 1, "warm_start.probe_every", ">= 1")
     _need(cfg.warm_start.probe_tasks >= 1, "warm_start.probe_tasks", ">= 1")
+    _need(cfg.warm_start.format_draws >= 2, "warm_start.format_draws", ">= 2 (content is what differs between draws)")
     v = cfg.vllm
     _need(v.max_model_len is None or v.max_model_len >= c.context_capacity, "vllm.max_model_len",
           f"{v.max_model_len} is below compaction.context_capacity={c.context_capacity}: contexts up to C tokens must fit (or null)")

@@ -283,3 +283,41 @@ def test_the_cache_key_covers_the_code_the_precision_and_the_kernel_path(tmp_pat
     assert {k["precision"]["autocast"] for k in keyed} == {None, "torch.bfloat16"}
     assert {k["kernels"] for k in keyed} == {torch.backends.cpu.get_cpu_capability(), "ANOTHER"}
     assert {k["code"] for k in keyed} == {demonstrations.crl_source_hash(), "0" * 64}
+
+
+def test_draws_of_one_length_keeps_the_most_common_length_and_leaves_aligned_draws_as_drawn():
+    from crl.warm_start.demonstrations import draws_of_one_length
+
+    rng = random.Random(0)
+    aligned = draws_of_one_length(lambda: [rng.randrange(9)] * 3, 5)
+    rng = random.Random(0)
+    assert aligned == [[rng.randrange(9)] * 3 for _ in range(5)]  # the same draws, the same random stream
+    rng = random.Random(1)
+    mixed = draws_of_one_length(lambda: [7] * (3 if rng.random() < 0.8 else 4), 20)
+    assert len(mixed) == 20 and {len(d) for d in mixed} == {3}
+
+
+def test_a_key_of_two_tokens_no_longer_leaves_the_summary_untrained():
+    """SmolLM2 splits ``pink`` at a summary's start into two tokens (``p`` ``ink``); imitated here on the word
+    tokenizer by doubling ``pink``'s token. A draw set holding such a summary used to mask every position but the stop
+    token: the first key was never taught (the warm-started SmolLM2 wrote ``next`` as its summary). Now every
+    summary's first position is a set of keys and its ``=`` / ``,`` are trained."""
+    from crl.envs import SequentialRecordsSuite
+
+    pink = TOK.convert_tokens_to_ids("pink")
+    split = lambda text: [t for i in encode(text) for t in ([i, i] if i == pink else [i])]  # noqa: E731
+    suite = SequentialRecordsSuite(n_records=4, n_keys=2, distractor_rate=0.0, split_sizes={"train": 20, "dev": 2, "test": 2})
+    cfg = CompactionConfig(context_capacity=512, min_remaining=48, max_summary_tokens=12, forced_steps=(4,))
+    batch = demonstration_batch(suite, CompactionEngine(cfg, split, eos_id=EOS_ID), split, EOS_ID, 6, random.Random(0), "format", 128)
+    prov, mask, tokens, alt = batch["provenance"], batch["loss_mask"], batch["tokens"], batch["content_alternatives"]
+    keys = set(TOK.convert_tokens_to_ids(["red", "blue", "green", "yellow", "white", "black", "gray"]))
+    summaries = 0
+    for r in range(batch.batch_size[0]):
+        pos = (prov[r] == Provenance.SUMMARY).nonzero().squeeze(-1)
+        if len(pos):
+            summaries += 1
+            words = TOK.convert_ids_to_tokens(tokens[r, pos].tolist())
+            trained = [w for w, m in zip(words, mask[r, pos].tolist()) if m]
+            assert trained == [w for w in words if w in ("=", ",", EOS)], words
+            assert set(a for a in alt[r, pos[0]].tolist() if a >= 0) == keys  # 128 draws: every one-token key
+    assert summaries == 6

@@ -55,9 +55,12 @@ from crl.provenance import crl_source_hash
 
 
 FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format tokens from content tokens
-# "format" also reads the set of allowed contents off the draws: 32 miss one of 4 codes with probability 4e-4
+# "format" also reads the set of allowed contents off the draws (warm_start.format_draws of them, default 32: they
+# miss one of 4 codes with probability 4e-4)
 FORMAT_SET_DRAWS = 32
 SUMMARY_CONTENT = ("random", "untrained", "format", "balanced")
+# at most this many more draws per compaction when the first ones differ in token length (draws_of_one_length)
+EXTRA_DRAWS = 256
 
 
 class WarmStartError(RuntimeError):
@@ -69,14 +72,34 @@ def oracle_summary_ids(env, ctx, encode, eos_id: int) -> list[int]:
     return list(encode(env.oracle_summary()))[: ctx.summary_budget - 1] + [eos_id]
 
 
+def draws_of_one_length(draw: Callable[[], list[int]], n: int) -> list[list[int]]:
+    """``n`` format-only summaries (token ids, from ``draw()``) of one token length, the one most of them have.
+
+    Format and content are told apart position by position, which needs draws of one length: on SmolLM2's tokenizer
+    ``pink`` at the start of a summary is two tokens (``p`` ``ink``) where every other key is one, so a draw set holding
+    it used to leave every position but the stop token untrained — the summary's first token was never taught and the
+    warm-started model wrote ``next`` there. Draws of another length are set aside and more are drawn (at most
+    :data:`EXTRA_DRAWS`; then fewer than ``n`` are returned). When the first ``n`` draws share a length they are
+    returned as drawn, so the random stream of an aligned format (the memory chain's) is unchanged."""
+    draws = [draw() for _ in range(n)]
+    for _ in range(EXTRA_DRAWS):
+        length = max(sorted({len(d) for d in draws}), key=lambda k: sum(len(d) == k for d in draws))
+        same = [d for d in draws if len(d) == length]
+        if len(same) >= n:
+            return same[:n]
+        draws.append(draw())
+    return same
+
+
 def demonstration_batch(
-    suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = "random"
+    suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = "random",
+    format_draws: int = FORMAT_SET_DRAWS,
 ) -> TensorDict:
     """``n_episodes`` oracle episodes on random train tasks, plus the format-only summary segments.
 
     With ``summary_content="format"`` or ``"balanced"`` the batch also holds ``content_alternatives`` ``[B, T, K]``: at
     each content position of a format-only summary, the distinct tokens the draws put there (``-1`` pads; elsewhere
-    all ``-1``).
+    all ``-1``), read off ``format_draws`` draws.
     """
     as_set = summary_content in ("format", "balanced")  # the slot is scored as "one of the drawn tokens"
     rows, content, n_rows = [], [], 0  # content: (row index, position, allowed token ids)
@@ -89,8 +112,8 @@ def demonstration_batch(
         def summarize(env, ctx):
             """Resume from the correct summary, frozen; train a format-only summary segment beside it."""
             correct = oracle_summary_ids(env, ctx, encode, eos_id)
-            n_draws = FORMAT_SET_DRAWS if as_set else FORMAT_DRAWS
-            draws = [list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id] for _ in range(n_draws)]
+            n_draws = format_draws if as_set else FORMAT_DRAWS
+            draws = draws_of_one_length(lambda: list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id], n_draws)
             shaped = draws[0]
             row = build_episode([ctx.summary_segment(shaped, [0.0] * len(shaped))], 0, 0.0, EpisodeStatus.TRUNCATED)
             if summary_content != "random":
@@ -193,6 +216,7 @@ def warm_start(
     lr: float,
     seed: int,
     summary_content: str = "random",
+    format_draws: int = FORMAT_SET_DRAWS,
     log: Callable[[dict, int], None] | None = None,
     progress: bool = True,
     device: torch.device | str | None = None,
@@ -271,7 +295,7 @@ def warm_start(
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="warm start", disable=not progress)
     for step in bar:
         i = (step // 2) % len(stages)
-        batch = demonstration_batch(stages[i][0], engines[i][step % 2], encode, eos_id, batch_episodes, rng, summary_content)
+        batch = demonstration_batch(stages[i][0], engines[i][step % 2], encode, eos_id, batch_episodes, rng, summary_content, format_draws)
         if device is not None:
             batch = batch.to(device)
         loss = nll_loss(actor_module, batch, balance=summary_content == "balanced")

@@ -90,7 +90,7 @@ def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, z
                 TensorDictModule(engine if engine is not None else net, list(MODEL_IN_KEYS), ["log_prob", "entropy"]),
                 [(suite, build_compaction_config(cfg, suite)) for suite in suites],
                 codec.encode, codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
-                summary_content=w.summary_content, log=log, progress=rank == 0 and cfg.logging.progress,
+                summary_content=w.summary_content, format_draws=w.format_draws, log=log, progress=rank == 0 and cfg.logging.progress,
                 device=device if zero3_config is not None else next(lm.parameters()).device, prompt_format=prompt_format, optimizer_step=step,
                 stop_answer_p=w.stop_answer_p, probe_every=w.probe_every, probe_tasks=w.probe_tasks,
                 agree=(lambda x: mean_scalar_over_ranks(x, world, device)) if zero3_config is not None else None,
