@@ -6,7 +6,7 @@ own summaries, with a correct summary written in, and how often its own summarie
         [--warm-start] [--out FILE.json]
 
 Each condition is one evaluation (the dev split, the run's evaluation seeds, ``--episodes`` episodes) of the untrained
-policy; the JSON holds every condition's counts, the config overrides and the code version; a Markdown table is printed.
+policy; the JSON holds every condition's counts and its first summaries, the config overrides and the code version; a Markdown table is printed.
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['condition']} | {r['success']:.3f} ± {r['stderr']:.3f} ({r['successes']}/{r['episodes']}) | {r['truncated_frac']:.2f} | "
               f"{r['compactions_per_episode']:.2f} | {fmt(r['holds_frac'])} ({r['summaries_holding']}/{r['summaries_judged']}) | {fmt(r['last_holds_frac'])} |")
+    for r in rows:
+        if r["examples"]:
+            print(f"\n{r['condition']}, the first summaries: " + " | ".join(repr(e) for e in r["examples"]))
     if args.out:
         from crl.provenance import git_state
 

@@ -1,5 +1,6 @@
 """The zero-shot table's machinery (crl/experiments/zero_shot.py): the scripted correct summariser against the
 environment's own verdict, and one table on a tiny config through the evaluation code path."""
+import re
 from pathlib import Path
 
 from crl.config import load_config
@@ -37,6 +38,10 @@ def test_a_table_on_a_tiny_config_and_the_correct_summaries_always_hold():
     assert set(rows) == set(CONDITIONS) and all(r.episodes == 6 for r in rows.values())
     assert rows["no_compaction"].compactions_per_episode == 0
     assert rows["correct_summary"].compactions_per_episode > 0, "no compaction happened: the summariser was never asked"
+    # the examples are read back from the episodes' tokens (provenance FROZEN_SUMMARY), not from the summariser
+    assert rows["no_compaction"].examples == []
+    examples = rows["correct_summary"].examples
+    assert examples and all(re.fullmatch(r"none|\w+ = \d( , \w+ = \d)*", e) for e in examples), examples
 
 
 class _AlwaysNext:

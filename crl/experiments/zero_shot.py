@@ -32,6 +32,7 @@ from crl.modules.generation import Generation
 __all__ = ["ScriptedSummariser", "ConditionResult", "CONDITIONS", "condition_overrides", "measure"]
 
 CONDITIONS = ("no_compaction", "own_summaries", "correct_summary")
+EXAMPLES = 8  # summaries kept per condition: what the model writes is part of the table
 _RECORD = re.compile(r"record \d+ : (ignore )?key (\w+) = (\w+)")
 _PAIR = re.compile(r"(\w+) = (\w+)")
 
@@ -116,6 +117,7 @@ class ConditionResult:
     holds_frac: float | None  # summaries holding / judged (None: none judged)
     last_holds_frac: float | None  # episodes whose last judged summary holds / episodes with one
     wall_s: float
+    examples: list  # the first EXAMPLES summaries the condition's episodes wrote (decoded, stop token dropped)
 
 
 def condition_overrides(condition: str, no_compaction_capacity: int) -> list[str]:
@@ -132,10 +134,10 @@ def measure(cfgs: dict, warm_start: bool, split: str = "dev", log=print) -> list
     :func:`condition_overrides`; ``cfg.eval.episodes`` episodes) with one policy: ``model.preset`` (with LoRA, the adapters
     at their zero start), after the config's warm start (``warm_start``, computed once on the ``own_summaries`` config:
     the command format and format-only summaries, never their content; crl/warm_start/) or without one."""
-    from crl.builders import build_prompt_format, build_tokenizer, check_budgets, curriculum_stages
+    from crl.builders import build_collector, build_prompt_format, build_tokenizer, check_budgets, curriculum_stages
     from crl.chat import CHAT_RESUME_PREFIX, CHAT_RESUME_SUFFIX
     from crl import prompts
-    from crl.evaluation import evaluate_policy
+    from crl.collectors import episode_stats
     from crl.modules.backends import make_backend
     from crl.streams import evaluation_seeds
     from crl.training.models import build_policy_lm
@@ -163,13 +165,27 @@ def measure(cfgs: dict, warm_start: bool, split: str = "dev", log=print) -> list
             summariser = ScriptedSummariser(codec, cfg.prompt.resume_prefix or (CHAT_RESUME_PREFIX if chat else prompts.RESUME_PREFIX),
                                             cfg.prompt.resume_suffix or (CHAT_RESUME_SUFFIX if chat else prompts.RESUME_SUFFIX))
         t0 = time.perf_counter()
+        # crl.evaluation.evaluate_policy's collector (one rank), kept to read the summaries it wrote
+        col = build_collector(cfg, split, None, backend, codec, prompt_format, evaluation=True, frozen_backend=summariser)
         with torch.no_grad():
-            stats = evaluate_policy(cfg, None, split, backend, codec, prompt_format, frozen_backend=summariser)
-        results.append(_result(condition, stats, time.perf_counter() - t0))
+            batch = col.collect()
+        results.append(_result(condition, episode_stats(col.last_episodes), time.perf_counter() - t0, summary_texts(batch, codec)))
     return results
 
 
-def _result(condition: str, stats: dict, wall: float) -> ConditionResult:
+def summary_texts(batch, codec, limit: int = EXAMPLES) -> list[str]:
+    """The decoded summaries (trained or frozen; the stop token dropped) of ``batch``'s first ``limit`` summary rows."""
+    from crl.episode import Provenance
+
+    out = []
+    for tokens, prov in zip(batch["tokens"], batch["provenance"]):
+        ids = tokens[(prov == Provenance.SUMMARY) | (prov == Provenance.FROZEN_SUMMARY)].tolist()
+        if ids and len(out) < limit:
+            out.append(codec.decode(ids[:-1] if ids[-1] == codec.eos_id else ids))  # a summary cut by its budget has no stop token
+    return out
+
+
+def _result(condition: str, stats: dict, wall: float, examples: list[str]) -> ConditionResult:
     n = max(int(stats["episodes"]), 1)
     p = stats["success"] / n
     judged, holding, ep_judged = int(stats["summaries_judged"]), int(stats["summaries_holding"]), int(stats["episodes_judged"])
@@ -177,4 +193,4 @@ def _result(condition: str, stats: dict, wall: float) -> ConditionResult:
         condition=condition, episodes=n, successes=int(stats["success"]), success=p, stderr=math.sqrt(p * (1 - p) / n),
         truncated_frac=stats["truncated"] / n, compactions_per_episode=stats["compactions"] / n,
         summaries_judged=judged, summaries_holding=holding, holds_frac=holding / judged if judged else None,
-        last_holds_frac=stats["last_holds"] / ep_judged if ep_judged else None, wall_s=wall)
+        last_holds_frac=stats["last_holds"] / ep_judged if ep_judged else None, wall_s=wall, examples=examples)
