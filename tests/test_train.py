@@ -138,6 +138,7 @@ def test_paper_config_loads():
         ("warm_start.probe_every=0", "warm_start.probe_every"),
         ("warm_start.probe_tasks=0", "warm_start.probe_tasks"),
         ("warm_start.summary_content=correct", "warm_start.summary_content"),
+        ("warm_start.format_draws=1", "warm_start.format_draws"),
         ("vllm.dtype=float8", "vllm.dtype"),
         ("vllm.max_model_len=100", "vllm.max_model_len"),
         ("vllm.gpu_memory_utilization=1.5", "vllm.gpu_memory_utilization"),
