@@ -16,16 +16,19 @@ __all__ = ["evaluate_policy"]
 
 
 def evaluate_policy(cfg, stage, split: str, backend, codec, prompt_format, *, frozen_backend=None, rank: int = 0,
-                    world: int = 1, progress: bool = False) -> dict:
+                    world: int = 1, progress: bool = False, on_batch=None) -> dict:
     """Rank ``rank``'s share of an evaluation of ``cfg.eval.episodes`` episodes: the counts of
     :func:`crl.collectors.episode_stats` (sum them over the ranks; ``success / episodes`` is the success rate).
 
     ``backend`` / ``frozen_backend`` sample with the seeds of :func:`crl.streams.evaluation_seeds` (the caller forks or builds
-    them); ``stage``: a :class:`crl.config.CurriculumStage` or None (the env's own task).
+    them); ``stage``: a :class:`crl.config.CurriculumStage` or None (the env's own task). ``on_batch``: called with
+    the episodes' TensorDict (crl/episode.py) when given (the zero-shot table reads the summaries off it).
     """
     if eval_share(cfg.eval.episodes, rank, world) == 0:  # more ranks than episodes: this rank plays none
         return episode_stats([])
     col = build_collector(cfg, split, stage, backend, codec, prompt_format, evaluation=True, frozen_backend=frozen_backend,
                           rank=rank, world=world, progress=progress)
-    col.collect()
+    batch = col.collect()
+    if on_batch is not None:
+        on_batch(batch)
     return episode_stats(col.last_episodes)

@@ -134,10 +134,10 @@ def measure(cfgs: dict, warm_start: bool, split: str = "dev", log=print) -> list
     :func:`condition_overrides`; ``cfg.eval.episodes`` episodes) with one policy: ``model.preset`` (with LoRA, the adapters
     at their zero start), after the config's warm start (``warm_start``, computed once on the ``own_summaries`` config:
     the command format and format-only summaries, never their content; crl/warm_start/) or without one."""
-    from crl.builders import build_collector, build_prompt_format, build_tokenizer, check_budgets, curriculum_stages
+    from crl.builders import build_prompt_format, build_tokenizer, check_budgets, curriculum_stages
     from crl.chat import CHAT_RESUME_PREFIX, CHAT_RESUME_SUFFIX
     from crl import prompts
-    from crl.collectors import episode_stats
+    from crl.evaluation import evaluate_policy
     from crl.modules.backends import make_backend
     from crl.streams import evaluation_seeds
     from crl.training.models import build_policy_lm
@@ -165,11 +165,11 @@ def measure(cfgs: dict, warm_start: bool, split: str = "dev", log=print) -> list
             summariser = ScriptedSummariser(codec, cfg.prompt.resume_prefix or (CHAT_RESUME_PREFIX if chat else prompts.RESUME_PREFIX),
                                             cfg.prompt.resume_suffix or (CHAT_RESUME_SUFFIX if chat else prompts.RESUME_SUFFIX))
         t0 = time.perf_counter()
-        # crl.evaluation.evaluate_policy's collector (one rank), kept to read the summaries it wrote
-        col = build_collector(cfg, split, None, backend, codec, prompt_format, evaluation=True, frozen_backend=summariser)
+        examples = []
         with torch.no_grad():
-            batch = col.collect()
-        results.append(_result(condition, episode_stats(col.last_episodes), time.perf_counter() - t0, summary_texts(batch, codec)))
+            stats = evaluate_policy(cfg, None, split, backend, codec, prompt_format, frozen_backend=summariser,
+                                    on_batch=lambda batch: examples.extend(summary_texts(batch, codec)))
+        results.append(_result(condition, stats, time.perf_counter() - t0, examples))
     return results
 
 
