@@ -49,15 +49,13 @@ from tqdm.auto import tqdm
 
 from crl.collectors.scripted import play_oracle_episode
 from crl.compaction import CompactionConfig, CompactionEngine
+from crl.config import WarmStartConfig
 from crl.episode import EpisodeStatus, build_episode, concat_episodes
 from crl.io import as_write_error, atomic_dir, atomic_torch_save
 from crl.provenance import crl_source_hash
 
 
 FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format tokens from content tokens
-# "format" also reads the set of allowed contents off the draws (warm_start.format_draws of them, default 32: they
-# miss one of 4 codes with probability 4e-4)
-FORMAT_SET_DRAWS = 32
 SUMMARY_CONTENT = ("random", "untrained", "format", "balanced")
 # at most this many more draws per compaction when the first ones differ in token length (draws_of_one_length)
 EXTRA_DRAWS = 256
@@ -93,7 +91,7 @@ def draws_of_one_length(draw: Callable[[], list[int]], n: int) -> list[list[int]
 
 def demonstration_batch(
     suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = "random",
-    format_draws: int = FORMAT_SET_DRAWS,
+    format_draws: int = WarmStartConfig.format_draws,  # how many, and why: crl.config.WarmStartConfig
 ) -> TensorDict:
     """``n_episodes`` oracle episodes on random train tasks, plus the format-only summary segments.
 
@@ -216,7 +214,7 @@ def warm_start(
     lr: float,
     seed: int,
     summary_content: str = "random",
-    format_draws: int = FORMAT_SET_DRAWS,
+    format_draws: int = WarmStartConfig.format_draws,  # how many, and why: crl.config.WarmStartConfig
     log: Callable[[dict, int], None] | None = None,
     progress: bool = True,
     device: torch.device | str | None = None,
