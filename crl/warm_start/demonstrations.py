@@ -56,7 +56,6 @@ from crl.provenance import crl_source_hash
 
 
 FORMAT_DRAWS = 8  # format-only summaries drawn per compaction to tell format tokens from content tokens
-SUMMARY_CONTENT = ("random", "untrained", "format", "balanced")
 # at most this many more draws per compaction when the first ones differ in token length (draws_of_one_length)
 EXTRA_DRAWS = 256
 
@@ -90,7 +89,7 @@ def draws_of_one_length(draw: Callable[[], list[int]], n: int) -> list[list[int]
 
 
 def demonstration_batch(
-    suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = "random",
+    suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = WarmStartConfig.summary_content,
     format_draws: int = WarmStartConfig.format_draws,  # how many, and why: crl.config.WarmStartConfig
 ) -> TensorDict:
     """``n_episodes`` oracle episodes on random train tasks, plus the format-only summary segments.
@@ -213,7 +212,7 @@ def warm_start(
     batch_episodes: int,
     lr: float,
     seed: int,
-    summary_content: str = "random",
+    summary_content: str = WarmStartConfig.summary_content,
     format_draws: int = WarmStartConfig.format_draws,  # how many, and why: crl.config.WarmStartConfig
     log: Callable[[dict, int], None] | None = None,
     progress: bool = True,
