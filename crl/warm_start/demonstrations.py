@@ -89,7 +89,8 @@ def draws_of_one_length(draw: Callable[[], list[int]], n: int) -> list[list[int]
 
 
 def demonstration_batch(
-    suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random, summary_content: str = WarmStartConfig.summary_content,
+    suite, engine: CompactionEngine, encode, eos_id: int, n_episodes: int, rng: random.Random,
+    summary_content: str = WarmStartConfig.summary_content,
     format_draws: int = WarmStartConfig.format_draws,  # how many, and why: crl.config.WarmStartConfig
 ) -> TensorDict:
     """``n_episodes`` oracle episodes on random train tasks, plus the format-only summary segments.
