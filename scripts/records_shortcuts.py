@@ -34,7 +34,7 @@ def shortcut_success(tasks, n_values: int) -> dict[str, float]:
     partial summary above (units: fraction of tasks)."""
     last, last_two = 0.0, 0.0
     for task in tasks:
-        written = [value for update in task.updates if update is not None for value in [update[1]]]
+        written = [update[1] for update in task.updates if update is not None]  # values of the update records
         last += written[-1] == task.answer
         kept = set(written[-2:])
         last_two += (task.answer in kept) / len(kept)
