@@ -3,7 +3,7 @@
 ``CONFIG_DIR/ARM.yaml``, with the preregistered gate and one warm start per seed shared by the arms.
 
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
-                               [--config-dir configs/study] [--set KEY=VALUE ...] [--force]
+                               [--config-dir configs/study] [--set KEY=VALUE ...] [--force] [--carry REPORT]
 
 Each arm is ``CONFIG_DIR/ARM.yaml`` (layered on ``base.yaml``). Each (arm, seed) is one run of
 :class:`crl.experiments.sweep.Sweep` on kernel ``default`` (the machine's own): a ``scripts/train.py`` process with ``run_dir=DIR/runs/ARM_seedS
@@ -19,6 +19,9 @@ Resumable: rerun the same command (the sweep's rules: the trainer says "already 
 killed one continues from its newest checkpoint, a current ``audit.json`` and final evaluation are reused, and a run
 finished earlier is not relaunched: it needs only its config, metrics, audit and evaluation JSON). A run directory
 saved with other settings than the study would launch stops it with one line naming the keys (``--force``: rerun it).
+``--carry REPORT`` continues a study whose run directories were lost with a machine: the finished runs of an earlier
+``report.json`` (the committed one) stand in for runs with no directory here, when their config file, overrides and
+final evaluation are this study's (:meth:`crl.experiments.sweep.Sweep.carry_rows`); each carried row says so.
 
 Writes, atomically, ``DIR/report.json``::
 
@@ -101,7 +104,7 @@ class Study(Sweep):
         self.gate_name = args.gate
         super().__init__({arm: self.config_dir / f"{arm}.yaml" for arm in args.arms}, args.seeds, args.out,
                          overrides=[*(QUICK if args.quick else []), *args.set], parallel=args.parallel, final_episodes=final,
-                         final_split=args.final_split, report_only=args.report_only, quick=args.quick, force=args.force)
+                         final_split=args.final_split, report_only=args.report_only, quick=args.quick, force=args.force, carry=args.carry)
 
     def run_name(self, arm: str, seed: int, kernel: str) -> str:
         return f"{arm}_seed{seed}"
@@ -258,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config-dir", default=str(ROOT / "configs" / "study"), help="where ARM.yaml and base.yaml live")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run (after --quick's)")
     ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
+    ap.add_argument("--carry", metavar="REPORT", help="an earlier report.json of this study: its finished, audited runs stand in for "
+                    "runs with no directory here (same config, overrides and final evaluation, else it stops)")
     ap.add_argument("--force", action="store_true", help="rerun a run saved with other settings (moved to OUT/replaced/) instead of refusing")
     ap.add_argument("--final-episodes", type=int, default=None, help="episodes of each run's final-checkpoint evaluation "
                     "(scripts/evaluate.py; default 240 = each of the 60 tasks 4 times; 8 with --quick; 0: none)")

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=0.9, help="the success a run must reach (default 0.9): iterations to it, fraction of runs at it")
     ap.add_argument("--quick", action="store_true", help="smoke sweep (tests): 2 iterations, 2 seeds, kernels default and avx2")
     ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
+    ap.add_argument("--carry", metavar="REPORT", help="an earlier report.json of this study: its finished, audited runs stand in for "
+                    "runs with no directory here (same config, overrides and final evaluation, else it stops)")
     ap.add_argument("--force", action="store_true", help="rerun a run saved with other settings (moved to OUT/replaced/) instead of refusing")
     ap.add_argument("--final-episodes", type=int, default=0, help="episodes of each run's final-checkpoint evaluation (scripts/evaluate.py; default 0: none)")
     ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation")
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
         ap.error("--force reruns runs and --report-only trains none: use one")
     return sweep.Sweep(arms, seeds, args.out, kernels=kernels, overrides=[*(sweep.QUICK if args.quick else []), *args.set],
                        parallel=args.parallel, threshold=args.threshold, final_episodes=args.final_episodes, final_split=args.final_split,
-                       report_only=args.report_only, quick=args.quick, force=args.force).main()
+                       report_only=args.report_only, quick=args.quick, force=args.force, carry=args.carry).main()
 
 
 if __name__ == "__main__":

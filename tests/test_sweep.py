@@ -1,7 +1,7 @@
 """The sweep runner, crl.experiments.sweep with scripts/sweep.py on top (issue 26): the statistics against independent computations, and ``--quick`` end to end (4 runs:
 2 seeds x kernels default / avx2, each audited; the kernel really reached the training process; the report's
 aggregates recomputed from its rows; resume retrains nothing, also from a run carried as four files, which a sweep with
-other settings refuses; ``--report-only``; the commit that trained each run) and the rule that a run is reused only
+other settings refuses; ``--report-only``; ``--carry`` from a report; the commit that trained each run) and the rule that a run is reused only
 under the settings it ran with."""
 import json
 import math
@@ -258,6 +258,21 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     assert rows3["default_seed2_default"]["audit"] == "NOT RUN" and rows3["default_seed2_default"]["curve"] == []
     assert json.loads((out / "report.json").read_text())["aggregates"]["overall"]["final_dev_success"]["n"] == 1
     assert not (out / "runs" / "default_seed2_default").exists()
+
+    # --carry: the report's finished rows stand in for runs whose directories are gone (a study moved machines); its
+    # NOT RUN row does not; nothing trains; settings that differ from the carried run's are refused, naming them
+    moved = tmp_path / "moved"
+    base = [sys.executable, "scripts/sweep.py", "--quick", "--kernels", "default", "--final-episodes", "8", "--carry", str(out / "report.json"),
+            "--out", str(moved)]
+    part = subprocess.run([*base, "--seeds", "0", "2", "--report-only"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert part.returncode == 1 and "carry  default seed 0" in part.stdout and "not run: default seed 2" in part.stdout, part.stdout[-2000:]
+    rows4 = {r["name"]: r for r in json.loads((moved / "report.json").read_text())["runs"]}
+    assert {k: v for k, v in rows4["default_seed0_default"].items() if k != "carried_from"} == rows3["default_seed0_default"]
+    assert rows4["default_seed0_default"]["carried_from"] == str(out / "report.json") and rows4["default_seed2_default"]["audit"] == "NOT RUN"
+    whole = subprocess.run([*base, "--seeds", "0"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0 and "start " not in whole.stdout and not (moved / "runs").exists(), whole.stdout[-2000:] + whole.stderr[-2000:]
+    other = subprocess.run([*base, "--seeds", "0", "--set", "algo.gamma=0.5"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert other.returncode == 1 and "default seed 0 cannot stand in" in other.stderr and "algo.gamma=0.5" in other.stderr, other.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------ reuse: same settings or nothing

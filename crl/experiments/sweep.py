@@ -3,7 +3,7 @@ runner (:class:`Sweep`) and its statistics; ``scripts/sweep.py`` is its command 
 
     python scripts/sweep.py --config configs/default.yaml [MORE.yaml | NAME=FILE ...] [--set KEY=VALUE ...]
                             --seeds 0-9 [--kernels default avx2] [--parallel 2] --out runs/sweep_default
-                            [--threshold 0.9] [--final-episodes N] [--final-split dev|test] [--quick] [--report-only]
+                            [--threshold 0.9] [--final-episodes N] [--final-split dev|test] [--quick] [--report-only] [--carry REPORT]
 
 **Arms**: each ``--config`` file is an arm, named by its file stem (``NAME=FILE`` names it). **Seeds**: ranges and
 lists, ``0-9``, ``0 3 5``, ``0-4 7`` (``train.seed`` of each run). **Kernels**: which of torch's CPU kernels the
@@ -37,7 +37,9 @@ relaunched at all: such a run directory needs only ``config.yaml``, ``metrics.js
 evaluation's JSON, so a study longer than one machine's session can carry its finished runs to the next in a few
 hundred kB of text (by content, not mtimes, which neither a copy nor a git checkout keeps; docs/lm_study.md). ``--report-only`` trains
 nothing: it reports the runs that finished (auditing them if needed) and marks the others ``"audit": "NOT RUN"``
-with no curve. Exit status 0 only when every run trained and its audit passed.
+with no curve. Exit status 0 only when every run trained and its audit passed. ``--carry REPORT`` takes the finished,
+audited runs of an earlier report (same config file, overrides and final evaluation) in place of jobs with no run
+directory here (:meth:`Sweep.carry_rows`): for a study whose run directories were lost with a machine.
 
 **Same settings or nothing.** A run directory is reused (finished, resumed or reported) only when its
 ``config.yaml`` equals the config the sweep would launch now, every key but where things are written
@@ -252,14 +254,14 @@ class Sweep:
 
     def __init__(self, arms: dict, seeds: list[int], out, kernels=("default",), overrides=(), parallel: int = 2, threshold: float = 0.9,
                  final_episodes: int = 0, final_split: str = "dev", report_only: bool = False, quick: bool = False,
-                 force: bool = False):
+                 force: bool = False, carry: str | Path | None = None):
         self.arms = {arm: Path(f).resolve() for arm, f in arms.items()}
         self.seeds, self.kernels, self.overrides = list(seeds), list(kernels), list(overrides)
         self.out, self.parallel, self.threshold = Path(out).resolve(), parallel, threshold
         self.final_episodes, self.final_split, self.report_only, self.quick = final_episodes, final_split, report_only, quick
         if force and report_only:
             raise ValueError("force reruns runs and report_only trains none: use one")
-        self.force = force
+        self.force, self.carry, self.carried = force, Path(carry) if carry else None, {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
                         WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"), PYTHONUNBUFFERED="1",
                         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -348,6 +350,39 @@ class Sweep:
                 timing.rename(aside / "timing.json")
             self.say(f"--force: {self.label(*job)} was run with other settings ({'; '.join(diff)}); moved to {aside}, rerunning it")
 
+    def carry_rows(self) -> dict:
+        """``carry``: rows of an earlier report of this sweep (its ``runs``, or a study's ``arms[ARM]["seeds"]``) stand in
+        for the jobs that have no run directory here, so a study whose run directories were lost with a machine can be
+        finished from its committed report. A row marked NOT RUN is not carried (the job runs here); any other is, when
+        its run trained to ``train.iterations`` from the same config file with the same overrides (:data:`LOCATION_KEYS`
+        aside) and, when this sweep evaluates, was finally evaluated on the same split and episodes; otherwise the sweep
+        stops naming the difference. A carried row gains ``"carried_from"``; its ``code`` names the commit that trained it."""
+        try:
+            earlier = json.loads(self.carry.read_text())
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"{self.name}: --carry {self.carry}: not a readable report ({err})") from None
+        found = earlier.get("runs") or [row for a in earlier.get("arms", {}).values() for row in a.get("seeds", {}).values()]
+        by_job = {(r.get("arm"), r.get("seed"), r.get("kernel")): r for r in found}
+        unplaced = lambda overrides: [o for o in overrides if o.split("=", 1)[0] not in LOCATION_KEYS]  # noqa: E731
+        carried = {}
+        for job in self.jobs:
+            row = by_job.get(job)
+            if row is None or row.get("not_run") or self.run_dir(job).exists():  # NOT RUN there: trained (or reported) here
+                continue
+            arm, seed, kernel = job
+            want = {"config": rel(self.arms[arm]), "overrides": unplaced([*self.extra_overrides(arm, seed), *self.overrides]),
+                    "final_iteration": self.cfgs[arm].train.iterations}
+            have = {"config": row.get("config"), "overrides": unplaced(row.get("overrides", [])), "final_iteration": row.get("final_iteration")}
+            if self.final_episodes:
+                want["final_eval"] = {"split": self.final_split, "episodes": self.final_episodes}
+                have["final_eval"] = {k: (row.get("final_eval") or {}).get(k) for k in ("split", "episodes")}
+            bad = [f"{k}: {have[k]!r} (this sweep: {want[k]!r})" for k in want if have[k] != want[k]]
+            if bad:
+                raise SystemExit(f"{self.name}: --carry {self.carry}: {self.label(*job)} cannot stand in for this sweep's run: "
+                                 f"{'; '.join(bad)}. Train it here (drop it from the report) or carry another report")
+            carried[job] = {**row, "carried_from": rel(self.carry)}
+        return carried
+
     # -------------------------------------------------------------------------------- provenance
     def record_launch(self, job) -> None:
         """Append this checkout's commit and dirty flag to ``RUN_DIR/code.json`` before the job's training runs."""
@@ -397,7 +432,7 @@ class Sweep:
         if self.finished_earlier(job):
             n, verdict, final = self.finished(), self.audit(job)[0], self.final_eval(job)
             ev = f", final eval {final['success']:.3f}" if final else ""
-            self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs)}): finished earlier (its config, metrics, audit and final "
+            self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs) - len(self.carried)}): finished earlier (its config, metrics, audit and final "
                      f"evaluation agree), audit {verdict} (reused){ev}")
             return {"audit": verdict, "final_eval": final, **timing}
         self.say(f"start  {self.label(*job)} -> {run_dir}")
@@ -427,7 +462,7 @@ class Sweep:
         n = self.finished()
         how = "already complete" if skipped else f"trained in {train_s:.0f} s"
         ev = f", final eval {final['success']:.3f} ({final['episodes']} episodes)" if final else ""
-        self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs)}): {how}, audit {verdict}"
+        self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs) - len(self.carried)}): {how}, audit {verdict}"
                  f"{' (reused)' if reused else f' in {audit_s:.0f} s'}{ev}, wall {time.perf_counter() - t0:.0f} s")
         return {"audit": verdict, "final_eval": final, **timing}
 
@@ -528,6 +563,9 @@ class Sweep:
         """One report row per run: what it is, how it went (``results``), what its metrics say."""
         rows = []
         for job in self.jobs:
+            if job in self.carried:
+                rows.append(self.carried[job])
+                continue
             arm, seed, kernel = job
             run = self.read_run(self.run_dir(job))
             if results.get(job, {}).get("not_run"):  # a partial curve is not a result
@@ -659,17 +697,21 @@ class Sweep:
         t0 = time.perf_counter()
         cfgs = self.cfgs = self.check_configs()
         self.check_reuse()
+        self.carried = self.carry_rows() if self.carry else {}
+        todo = [job for job in self.jobs if job not in self.carried]
+        for job, row in self.carried.items():
+            self.say(f"carry  {self.label(*job)} from {rel(self.carry)}: audit {row['audit']}, trained by {row.get('code', {}).get('commit', UNKNOWN)}")
         self.code_state = git_state(ROOT, ignore=(self.out,))
         self.out.mkdir(parents=True, exist_ok=True)
         self.say(f"{len(self.jobs)} runs ({', '.join(self.arms)} x seeds {' '.join(map(str, self.seeds))}"
                  f"{'' if self.kernels == ['default'] else ' x kernels ' + ' '.join(self.kernels)}), "
                  f"{self.parallel} in parallel{', quick' if self.quick else ''}; out {self.out}")
         if self.report_only:  # cut short by its budget: report what finished, train nothing
-            results = {job: self.existing(job, cfgs[job[0]].train.iterations) for job in self.jobs}
+            results = {job: self.existing(job, cfgs[job[0]].train.iterations) for job in todo}
         else:
             self.check_kernels()
-            with tqdm(total=len(self.jobs), desc=self.name, unit="run", disable=None) as self.bar, ThreadPoolExecutor(self.parallel) as pool:
-                futures = {job: pool.submit(self.run_one, job) for job in self.jobs}
+            with tqdm(total=len(todo), desc=self.name, unit="run", disable=None) as self.bar, ThreadPoolExecutor(self.parallel) as pool:
+                futures = {job: pool.submit(self.run_one, job) for job in todo}
                 results = {job: f.result() for job, f in futures.items()}
             self.bar = None
         rows = self.rows(results)
@@ -678,7 +720,7 @@ class Sweep:
         self.plot(rows, self.out / "curves.png", self.title(report), self.common_chance(cfgs))
         self.print_table(rows)
         self.conclude(report)
-        ok = all(r.get("audit") == "PASS" and "error" not in r and not r.get("not_run") for r in results.values())
+        ok = all(r.get("audit") == "PASS" and "error" not in r and not r.get("not_run") for r in [*results.values(), *self.carried.values()])
         self.say(f"wrote {self.out / 'report.json'} and {self.out / 'curves.png'} in {time.perf_counter() - t0:.0f} s; "
                  f"{'all runs trained and audited PASS' if ok else 'SOME RUNS FAILED (see above)'}")
         return 0 if ok else 1
