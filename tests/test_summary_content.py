@@ -1,5 +1,6 @@
-"""scripts/summary_content.py on evidence whose answers are known: scripted memory-chain episodes played through the
-compaction engine (what each summary holds and how each failed episode ended are chosen here, then read back)."""
+"""scripts/summary_content.py on evidence whose answers are known: scripted memory-chain and sequential-records episodes
+played through the compaction engine (what each summary holds and how each failed episode ended are chosen here, then
+read back)."""
 import json
 import subprocess
 import sys
@@ -7,9 +8,9 @@ from pathlib import Path
 
 from crl.builders import build_compaction_config, build_suite
 from crl.compaction import CompactionEngine, Decision
-from crl.config import load_config
+from crl.config import load_config, to_yaml
 from crl.episode import build_episode, concat_episodes, save_episodes, terminal_outcome
-from crl.modules.tokenizer import encode, load_tokenizer
+from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +64,61 @@ def test_counts_summaries_holding_the_fact_and_how_failures_ended(tmp_path):
     assert got["summaries"] == 4 and got["summaries_with_fact"] == 3 and got["last_summary_with_fact"] == 3
     assert got["failures"] == {"early_submit": 1, "wrong_answer": 2, "wrong_answer_fact_in_last_summary": 1, "no_submit": 1}
     assert got["episodes_with_invalid_action"] == 0
+
+
+def test_records_counts_what_each_summary_holds_against_the_records_shown_before_it(tmp_path):
+    # sequential records, 4 records, 2 keys, distractors; one compaction after the last record (the Eq. 7 trigger)
+    overrides = ["env.name=sequential_records", "env.n_records=4", "env.n_keys=2", "env.distractor_rate=0.25", "compaction.context_capacity=136",
+                 "compaction.min_remaining=32", "compaction.max_compactions=1", "compaction.keep_recent=0", "compaction.max_summary_tokens=12"]
+    cfg = load_config(ROOT / "configs" / "default.yaml", overrides)
+    suite = build_suite(cfg)
+    eos = load_tokenizer().convert_tokens_to_ids(EOS)
+    engine = CompactionEngine(build_compaction_config(cfg, suite), encode, eos_id=eos)
+
+    def last_update(env):
+        return [u for u in env.task.updates[: env.n_revealed] if u is not None][-1]
+
+    def fake_record(env):  # the policy imitating a record: policy text, never parsed as one
+        key, value = last_update(env)
+        return f"record 10 : key {key} = {(int(value) + 1) % 10}"
+
+    cases = [  # (summary, frozen, expected (holding, last_value, last_pair))
+        (lambda env: env.oracle_summary(), False, (True, True, True)),
+        (lambda env: last_update(env)[1], False, (False, True, False)),
+        (fake_record, True, (False, False, False)),
+    ]
+    rows, expected = [], []
+    for rid, ((summary, frozen, want), task) in enumerate(zip(cases, suite.tasks("train"))):
+        env = suite.make_env(task)
+        ctx = engine.start(env.reset())
+        seen = []
+        while True:
+            command = env.oracle_action() if rid == 0 else ("next" if not env.question_shown else "submit 99")
+            ids = encode(command) + [eos]
+            result = env.step(command)
+            decision = ctx.append_step(ids, [0.0] * len(ids), result.observation)
+            if result.done or decision is Decision.TRUNCATE:
+                status, reward = terminal_outcome(result.done, bool(result.info.get("truncated", False)), result.reward)
+                break
+            if decision is Decision.COMPACT:
+                s = encode(summary(env))[: ctx.summary_budget - 1] + [eos]
+                seen.append((env.summary_holds(decode(s)), decode(s)))  # what the summary holds as written, cut to its budget
+                ctx.apply_summary(s, [0.0] * len(s), frozen=frozen)
+        assert len(seen) == 1 and env.question_shown, (rid, seen)
+        rows.append(build_episode(ctx.segments(), rid, reward, status))
+        expected.append((seen[0][0], want, reward))
+    evidence = tmp_path / "run" / "evidence" / "iter_000002" / "rank_0"
+    evidence.mkdir(parents=True)
+    save_episodes(concat_episodes(rows), evidence / "rollout.pt")
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
+    out = subprocess.run([sys.executable, "scripts/summary_content.py", str(tmp_path / "run"), "--rows"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["task"] == "sequential_records" and got["iteration"] == 2 and got["episodes"] == 3 and got["successes"] == 1, got
+    assert got["summaries"] == 3 and got["frozen_summaries"] == 1 and got["judged"] == 3
+    for row, (env_holds, (holding, last_value, last_pair), reward) in zip(got["rows"], expected):
+        # the script's judgement equals the environment's own (SequentialRecordsEnv.summary_holds) and the case's design
+        assert row["holding"] is env_holds is holding and row["last_value"] is last_value and row["last_pair"] is last_pair, row
+        assert row["reward"] == reward
+    assert [len(r["records"]) for r in got["rows"]] == [4, 4, 4]  # the imitation did not become a fifth record
+    assert got["holding"] == 1 and got["last_value"] == 2 and got["last_pair"] == 1

@@ -31,7 +31,7 @@ from typing import Mapping
 
 from crl.envs.base import Task, TaskSuite, TextEnv
 
-__all__ = ["KEYS", "RecordsTask", "SequentialRecordsEnv", "SequentialRecordsSuite"]
+__all__ = ["KEYS", "RecordsTask", "SequentialRecordsEnv", "SequentialRecordsSuite", "summary_pairs"]
 
 KEYS = ("red", "blue", "green", "yellow", "white", "black", "pink", "gray")
 
@@ -41,6 +41,14 @@ class RecordsTask(Task):
     """A sequential-records task; ``updates[i]`` is the ``(key, value)`` record ``i`` writes, or ``None``."""
 
     updates: tuple[tuple[str, str] | None, ...]
+
+
+def summary_pairs(summary_text: str, key: str, value: str) -> bool:
+    """Whether a summary pairs ``key`` with ``value``: the key as a whole word, then the value as the next word, joined
+    by nothing but spaces, ``=``, ``:``, ``->`` or ``is`` (``blue = 7``, ``blue 7``, ``blue is 7``). The one definition
+    behind :meth:`SequentialRecordsEnv.summary_holds` and ``scripts/summary_content.py``."""
+    pattern = rf"(?<!\w){re.escape(key)}(?!\w)(?:\s|=|:|->|\bis\b)*(?<![\w.-]){re.escape(value)}(?!\w|\.\d)"
+    return re.search(pattern, summary_text) is not None
 
 
 def summarize(values: Mapping[str, str]) -> str:
@@ -75,16 +83,13 @@ class SequentialRecordsEnv(TextEnv):
         return re.fullmatch(r"question : what is the final value of key (\w+) \?", self.task.question).group(1)
 
     def summary_holds(self, summary_text: str) -> bool | None:
-        """``True`` when the summary pairs the asked key with its final value — the key as a whole word, then that
-        value as the next word, joined by nothing but spaces, ``=``, ``:``, ``->`` or ``is`` (``blue = 7``,
-        ``blue 7``, ``blue is 7``); ``None`` while the record that writes the final value is still ahead (module
-        docstring)."""
+        """``True`` when the summary pairs the asked key with its final value (:func:`summary_pairs`); ``None`` while the
+        record that writes the final value is still ahead (module docstring)."""
         key = self.asked_key
         last = max(i for i, u in enumerate(self.task.updates) if u is not None and u[0] == key)
         if self.n_revealed <= last:
             return None
-        pattern = rf"(?<!\w){key}(?!\w)(?:\s|=|:|->|\bis\b)*(?<![\w.-]){self.task.answer}(?!\w|\.\d)"
-        return re.search(pattern, summary_text) is not None
+        return summary_pairs(summary_text, key, self.task.answer)
 
 
 class SequentialRecordsSuite(TaskSuite):
