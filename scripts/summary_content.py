@@ -42,7 +42,7 @@ ACTION = re.compile(r"(next|submit \d+) <\|end\|>")
 
 
 def optimized_spans(tokens, mask, decode) -> list[str]:
-    """The decoded runs of consecutive optimized tokens of one row (one per action or summary)."""
+    """The decoded runs of consecutive masked tokens of one row (with ``loss_mask``: one per action or summary)."""
     spans, cur = [], []
     for tk, mk in zip(tokens, mask):
         if mk:
@@ -66,8 +66,11 @@ def rollouts(run_dir: Path, it: int):
     """Each rollout's rows of evidence iteration ``it``, in segment order."""
     from crl.episode import concat_episodes, load_episodes
 
+    ranks = sorted((run_dir / "evidence" / f"iter_{it:06d}").glob("rank_*"))
+    if not ranks:
+        raise SystemExit(f"summary_content: {run_dir}/evidence has no iteration {it} (it has {evidence_iterations(run_dir)})")
     # the rows of one rollout may sit on different ranks (scripts/audit.py): group over all of them, in segment order
-    td = concat_episodes([load_episodes(rank / "rollout.pt") for rank in sorted((run_dir / "evidence" / f"iter_{it:06d}").glob("rank_*"))])
+    td = concat_episodes([load_episodes(rank / "rollout.pt") for rank in ranks])
     for rid in td["rollout_id"].unique().tolist():
         rows = td[td["rollout_id"] == rid]
         yield rows[rows["segment_index"].argsort()]
