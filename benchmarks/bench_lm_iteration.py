@@ -233,7 +233,6 @@ def child(variant: str, args) -> dict:
                      + critic_steps * (2 + bwd) * n_critic * positions
                      + cfg.train.policy_epochs * (2 + bwd) * n_actor * positions)
     learner_s = values_s + critic_s + policy_s
-    meter.on = False
     meter.close()
     trainer.close()
     return {

@@ -118,15 +118,10 @@ def summary_content(run_dir: Path, iteration: int | None = None, decode=None) ->
     return {"run_dir": str(run_dir), "iteration": it, **counts, "failures": failures}
 
 
-
-RECORD = re.compile(r"record (\d+) : (ignore )?key (\w+) = (\d+)")
-ASKED = re.compile(r"question : what is the final value of key (\w+) \?")
-
-
 def records_summary_content(run_dir: Path, iteration: int | None = None, decode=None, rows_out: bool = False) -> dict:
     """Sequential records: every summary judged against the records shown before it (module docstring)."""
     from crl.envs.base import mentions_number
-    from crl.envs.sequential_records import summary_pairs
+    from crl.envs.sequential_records import QUESTION, RECORD, summary_pairs
     from crl.episode import Provenance
 
     summary_kinds = {int(Provenance.SUMMARY), int(Provenance.FROZEN_SUMMARY)}
@@ -140,7 +135,7 @@ def records_summary_content(run_dir: Path, iteration: int | None = None, decode=
             t, _, prov = row_tokens(rows, i)
             # what the environment showed (never the policy's own text, which may imitate a record)
             text = " ".join(optimized_spans(t, [pv == int(Provenance.OBSERVATION) for pv in prov], decode))
-            asked = asked or (m.group(1) if (m := ASKED.search(text)) else None)
+            asked = asked or (m.group(1) if (m := QUESTION.search(text)) else None)
             for m in RECORD.finditer(text):
                 shown[int(m.group(1))] = None if m.group(2) else (m.group(3), m.group(4))
             summary_ids = [tk for tk, pv in zip(t, prov) if pv in summary_kinds]

@@ -31,9 +31,12 @@ from typing import Mapping
 
 from crl.envs.base import Task, TaskSuite, TextEnv
 
-__all__ = ["KEYS", "RecordsTask", "SequentialRecordsEnv", "SequentialRecordsSuite", "summary_pairs"]
+__all__ = ["KEYS", "QUESTION", "RECORD", "RecordsTask", "SequentialRecordsEnv", "SequentialRecordsSuite", "summary_pairs"]
 
 KEYS = ("red", "blue", "green", "yellow", "white", "black", "pink", "gray")
+# the texts the suite writes, read back: a record (index, "ignore " or None, key, value) and the question (its key)
+RECORD = re.compile(r"record (\d+) : (ignore )?key (\w+) = (\d+)")
+QUESTION = re.compile(r"question : what is the final value of key (\w+) \?")
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class SequentialRecordsEnv(TextEnv):
     @property
     def asked_key(self) -> str:
         """The key the question asks for (read from the question text)."""
-        return re.fullmatch(r"question : what is the final value of key (\w+) \?", self.task.question).group(1)
+        return QUESTION.fullmatch(self.task.question).group(1)
 
     def summary_holds(self, summary_text: str) -> bool | None:
         """``True`` when the summary pairs the asked key with its final value (:func:`summary_pairs`); ``None`` while the
