@@ -44,7 +44,10 @@ class LoraSettings:
 @dataclass
 class ModelConfig:
     preset: str = "llama-tiny"  # a crl.modules.models preset, or a local checkpoint directory
-    share_critic_backbone: bool = False  # critic = actor backbone + value head (one network)
+    # critic = a value head on the policy's own trunk (one network: one forward and one backward per micro-batch for
+    # both losses, weighted algo.critic_coef; crl.modules.models.PolicyValueLM) | false: a copy of the backbone with a
+    # head, its own optimizer and steps
+    share_critic_backbone: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     max_action_tokens: int = 8
@@ -146,6 +149,11 @@ class AlgoConfig:
     # crl.training.update.PPOUpdate.update_policy). Not with DeepSpeed, whose engine steps inside the accumulation loop.
     target_kl: Optional[float] = None
     frozen_summary: bool = False  # summaries from a frozen copy of the initial policy, masked from the loss
+    # a critic on the policy's trunk (model.share_critic_backbone): one loss L = L_policy + critic_coef * L_value through
+    # one forward and one backward per micro-batch (TorchRL's ClipPPOLoss critic_coef); separate_losses (TorchRL's
+    # name): the value loss trains the value head only, reading the trunk's features detached
+    critic_coef: float = 1.0
+    separate_losses: bool = False
 
 
 @dataclass
@@ -440,6 +448,10 @@ def validate(cfg: Config) -> None:
     _need(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algo.clip_eps_low/high", "must be > 0")
     _need(a.clip_value is None or a.clip_value > 0, "algo.clip_value", "must be > 0 or null")
     _need(a.target_kl is None or a.target_kl > 0, "algo.target_kl", f"must be > 0 or null, got {a.target_kl}")
+    _need(a.critic_coef > 0, "algo.critic_coef", f"must be > 0 (the value loss's weight), got {a.critic_coef}")
+    _need(cfg.model.share_critic_backbone or (a.critic_coef == 1.0 and not a.separate_losses), "algo.critic_coef/separate_losses",
+          "weigh and route the value loss of a critic on the policy's trunk (model.share_critic_backbone=true); a separate critic "
+          "has its own optimizer: set train.critic_lr instead, or model.share_critic_backbone=true")
     _need(a.target_kl is None or cfg.deepspeed.config is None, "algo.target_kl",
           "is not supported with DeepSpeed (its engine steps inside the accumulation loop, before the step's KL is known): set it to null or deepspeed.config to null")
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")

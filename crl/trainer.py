@@ -11,12 +11,13 @@ One iteration (``Trainer.fit`` reads top to bottom; every phase is a method you 
    (globally unique rollout ids) with the current weights;
 2. :meth:`Trainer.compute_advantages` — the critic writes ``state_value``, :class:`CrossTrajectoryGAE` writes
    ``advantage`` and ``value_target`` (per segment: rollouts may span ranks);
-3. :meth:`Trainer.update_critic` — ``train.critic_updates`` critic steps; :meth:`Trainer.update_policy` — after
-   ``train.critic_warmup_iterations``, ``policy_epochs`` × ``policy_minibatches`` policy steps (fewer when
-   ``algo.target_kl`` stops them); each optimizer step
-   is normalised by the optimized-token count of the whole step over all ranks and micro-batches (Eq. 12);
-4. :meth:`Trainer.sync_policy_weights` — the sampler sees the updated weights;
-5. :meth:`Trainer.evaluate`, curriculum, the iteration's evidence and :meth:`Trainer.save_checkpoint`.
+3. :meth:`Trainer.learn`: :meth:`Trainer.update_critic` — ``train.critic_updates`` critic steps (none of their own in a
+   policy iteration when the critic shares the policy's trunk: the value loss rides on each policy step);
+   :meth:`Trainer.update_policy` — after ``train.critic_warmup_iterations``, ``policy_epochs`` ×
+   ``policy_minibatches`` policy steps (fewer when ``algo.target_kl`` stops them); each optimizer step is normalised
+   by the optimized-token count of the whole step over all ranks and micro-batches (Eq. 12);
+   :meth:`Trainer.sync_policy_weights` — the sampler sees the updated weights;
+4. :meth:`Trainer.evaluate` (every ``eval.every`` iterations and the last), curriculum, the iteration's evidence and :meth:`Trainer.save_checkpoint`.
 
 Building a ``Trainer`` runs every model-dependent check (token budgets, context length vs the model's
 positions) *before* the run directory is written, then writes ``RUN_DIR/config.yaml``, builds the models,
@@ -231,6 +232,20 @@ class Trainer:
         self.ppo.update_policy(batch, iteration)
         self.policy_version += 1
 
+    def learn(self, batch: TensorDict, iteration: int) -> None:
+        """Everything an iteration learns from ``batch`` (:meth:`compute_advantages`' output): the behaviour policy's
+        entropies (unless a pass already records them: the values' pass of a shared trunk, or the policy loss's first
+        step), the critic's steps (in a policy iteration none of its own under a shared trunk: its value loss rides
+        on every policy step), the policy's steps after ``train.critic_warmup_iterations``, and the weight sync."""
+        policy_update = iteration >= self.cfg.train.critic_warmup_iterations
+        if self.ppo.report.behaviour_entropy is None and not (policy_update and self.ppo.entropy_from_policy_loss):
+            self.ppo.record_behaviour_entropy(batch)
+        if not (policy_update and self.models.shared_trunk):
+            self.update_critic(batch)
+        if policy_update:
+            self.update_policy(batch, iteration)
+        self.sync_policy_weights()
+
     def sync_policy_weights(self) -> None:
         """Give the sampler the learner's current weights (version ``policy_version``; :meth:`Sampler.sync`).
 
@@ -361,13 +376,7 @@ class Trainer:
                         tqdm.write(f"iteration {it + 1}: all {int(self.last_episode_stats['episodes'])} episodes failed "
                                    f"(environment errors or timeouts; train.failed_episodes=drop): no update this iteration")
                 else:
-                    policy_update = it >= cfg.train.critic_warmup_iterations
-                    if not (policy_update and self.ppo.entropy_from_policy_loss):  # else the policy loss's first step records it
-                        self.ppo.record_behaviour_entropy(batch)
-                    self.update_critic(batch)
-                    if policy_update:
-                        self.update_policy(batch, it)
-                    self.sync_policy_weights()
+                    self.learn(batch, it)
                 self.ppo.report.learner_s = time.perf_counter() - t_learn
 
                 log = {**self.iteration_metrics(batch, t0), "train/actor_lr": rates["actor"], "policy/entropy_coef": entropy_coef}

@@ -116,7 +116,11 @@ class CausalLMLogProbs(nn.Module):
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
         out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
-        logits = out.logits
+        return self.outputs(out.logits, tokens, attention_mask, alternatives)
+
+    def outputs(self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor, alternatives: torch.Tensor | None = None):
+        """``(log_prob, entropy[, log_prob_set, log_prob_alternatives])`` from the model's ``logits`` ``[B, T, V]`` (see
+        the class docstring); :class:`PolicyValueLM` calls it on the logits of its shared forward."""
         # the distribution is SamplingSpec.log_probs (suppression, temperature, top-p: applied there, once), formed a
         # chunk of positions at a time: never a [B, T, V] log-prob tensor (see chunked_log_probs)
         log_prob, entropy = chunked_log_probs(logits, tokens, self.sampling, self.chunk_size)
@@ -171,23 +175,45 @@ def chunked_log_probs(logits: torch.Tensor, tokens: torch.Tensor, spec: Sampling
     return F.pad(torch.cat(lps, dim=1), (1, 0)), F.pad(torch.cat(ents, dim=1), (1, 0))
 
 
+def value_head(hidden_size: int, init: str = "zero", seed: int = 0) -> nn.Linear:
+    """The critic's scalar head ``V = w^T h + b`` (``b = 0``): ``init="zero"`` starts at ``V = 0`` (the critic warm-up
+    moves it to the reward scale); ``"normal"``: ``w ~ N(0, 0.02)`` drawn from ``seed`` (as TRL's value heads), so a
+    batch whose rewards are all 0 still trains the critic."""
+    if init not in VALUE_HEAD_INITS:
+        raise ValueError(f"value head init {init!r} is not one of {VALUE_HEAD_INITS}")
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.bias)
+    if init == "zero":
+        nn.init.zeros_(head.weight)
+    else:
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
+    return head
+
+
+VALUE_HEAD_INITS = ("zero", "normal")
+
+
+def value_outputs(head: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``state_value`` ``[B, T]`` from the backbone's last hidden states ``[B, T, H]``: ``V[t] = head(h[t - 1])`` (the
+    state before token ``t`` was chosen), in float32, 0 at ``t = 0`` and on padding."""
+    values = head(hidden.float()).squeeze(-1)
+    keep = attention_mask.bool()
+    keep[:, 0] = False
+    return _shift(values) * keep
+
+
 class ValueModel(nn.Module):
     """The critic: a causal LM's backbone with a scalar value head, ``V(prefix) = w^T h + b``."""
 
-    HEAD_INITS = ("zero", "normal")
+    HEAD_INITS = VALUE_HEAD_INITS
 
     def __init__(self, backbone: nn.Module, hidden_size: int, head_init: str = "zero", seed: int = 0):
         super().__init__()
         if head_init not in self.HEAD_INITS:
             raise ValueError(f"ValueModel: head_init={head_init!r} is not one of {self.HEAD_INITS}")
         self.backbone = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.value_head.bias)
-        if head_init == "zero":  # start at V = 0: the critic warm-up moves it to the reward scale
-            nn.init.zeros_(self.value_head.weight)
-        else:  # small random values (as TRL's value heads): a batch whose rewards are all 0 still trains the critic
-            with torch.no_grad():
-                self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
+        self.value_head = value_head(hidden_size, head_init, seed)
 
     @classmethod
     def from_actor(cls, lm: nn.Module, share_backbone: bool = False, head_init: str = "zero", seed: int = 0,
@@ -215,10 +241,40 @@ class ValueModel(nn.Module):
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         attention_mask = attention_mask.long()
         hidden = self.backbone(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False).last_hidden_state
-        values = self.value_head(hidden.float()).squeeze(-1)
-        keep = attention_mask.bool()
-        keep[:, 0] = False
-        return _shift(values) * keep
+        return value_outputs(self.value_head, hidden, attention_mask)
+
+
+class PolicyValueLM(CausalLMLogProbs):
+    """Policy and critic on one trunk, in one forward: ``(log_prob, entropy, state_value)`` ``[B, T]`` each.
+
+    The causal LM runs once; its logits give the policy's outputs (:meth:`CausalLMLogProbs.outputs`: the sampler's
+    distribution) and its last hidden states ``h`` the critic's, ``V[t] = w^T h[t - 1] + b`` (:func:`value_outputs`).
+    So one backward carries ``L = L_π + c_V L_V`` (TorchRL's ``ClipPPOLoss`` with a shared network, ``critic_coef``) into
+    the trunk: half the trunk passes of a critic with its own forward and backward (``model.share_critic_backbone``).
+
+    ``detach_value_features`` (TorchRL's ``separate_losses``): the head reads ``h`` detached, so the value loss trains
+    the head alone and the trunk moves with the policy loss only. The values are the same either way; only where the
+    value loss's gradient goes differs.
+
+    State-dict names: ``lm.*`` (the policy's causal LM, as :class:`CausalLMLogProbs`) and ``value_head.*`` (as
+    :class:`ValueModel`'s head), so checkpoints keep their layout.
+    """
+
+    def __init__(self, lm: nn.Module, spec: SamplingSpec, *, head_init: str = "zero", seed: int = 0, detach_value_features: bool = False):
+        super().__init__(lm, spec.temperature, spec.top_p, spec.suppress_ids)
+        self.value_head = value_head(lm.config.hidden_size, head_init, seed)
+        self.detach_value_features = detach_value_features
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None):
+        if lm_kwargs is not None:  # generation through this module
+            return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
+        attention_mask = attention_mask.long()
+        out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False,
+                      output_hidden_states=True)
+        hidden = out.hidden_states[-1]  # the final (normed) hidden states: what the LM head reads
+        log_prob, entropy = self.outputs(out.logits, tokens, attention_mask)
+        values = value_outputs(self.value_head, hidden.detach() if self.detach_value_features else hidden, attention_mask)
+        return log_prob, entropy, values
 
 
 MODEL_IN_KEYS = ("tokens", "attention_mask")  # what an actor or a critic reads from an episode TensorDict

@@ -70,7 +70,10 @@ class CompactionPPOLoss(LossModule):
             aligned like ``sample_log_prob``) and optionally ``"entropy"`` ``[S, T]``.
             ``None`` for a critic-only loss (e.g. critic warm-up or extra critic steps between policy steps).
         critic_network: TensorDictModule reading the same and writing ``"state_value"`` ``[S, T]``
-            (``V(tokens[s, :t])``); ``None`` for an actor-only loss (critic trained elsewhere).
+            (``V(tokens[s, :t])``); ``None`` for an actor-only loss (critic trained elsewhere). The actor network
+            itself when one network writes both (a shared trunk, :attr:`shared_network`): it then runs once per call,
+            and ``loss_objective + loss_critic`` backpropagate through it together, the value loss weighted
+            ``critic_coeff`` (TorchRL's ``ClipPPOLoss`` with a shared network).
 
     Keyword Args:
         eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` of ``ρ`` (default 0.2 / 0.2).
@@ -173,6 +176,12 @@ class CompactionPPOLoss(LossModule):
         self.kl_coeff = float(kl_coeff)
         self.kl_to = kl_to
         self.aggregation = aggregation
+
+    @property
+    def shared_network(self) -> bool:
+        """Whether the actor and the critic are one network (it writes ``log_prob`` and ``state_value``): it runs once per
+        call and the losses add up in one backward (:class:`crl.modules.models.PolicyValueLM`)."""
+        return self.actor_network is not None and self.critic_network is self.actor_network
 
     @property
     def functional(self) -> bool:
@@ -333,7 +342,7 @@ class CompactionPPOLoss(LossModule):
 
         f = w = None
         sums = {"num_tokens": torch.tensor(n_tokens)}
-        l_obj = ratio = log_ratio = ent = logp = None
+        l_obj = ratio = log_ratio = ent = logp = actor_td = None
         if self.actor_network is not None:
             logp_old = self._get(td, k.sample_log_prob, shape, "behaviour log-prob")
             adv = self._get(td, k.advantage, shape, "advantage; run loss.value_estimator(batch) first")
@@ -379,7 +388,10 @@ class CompactionPPOLoss(LossModule):
 
         l_crit = None
         if self.critic_network is not None:
-            critic_td = self.critic_network(td.select(*self.critic_network.in_keys))
+            if self.shared_network and actor_td is not None:  # one network writes both: its forward already ran
+                critic_td = actor_td
+            else:
+                critic_td = self.critic_network(td.select(*self.critic_network.in_keys))
             v = self._get(critic_td, k.value, shape, "critic output")
             if f is None:
                 f = v.dtype

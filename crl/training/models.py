@@ -20,7 +20,7 @@ from crl.io import atomic_torch_save
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
 from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_state_dict,
                               save_adapter, trainable_state_dict)
-from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, ValueModel, build_causal_lm
+from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
 from crl.modules.zero3 import copy_parameters_, zero3_init
 from crl.training.accelerator import deepspeed_stage, optimizer_layout
 
@@ -57,15 +57,26 @@ class LearnerModels:
         self.use_ds = ds_config is not None
         self.stage3 = deepspeed_stage(ds_config) == 3
         self.use_critic = cfg.algo.estimator == "gae"
-        actor_net = CausalLMLogProbs.from_spec(lm, spec)
-        critic_net = (ValueModel.from_actor(lm, share_backbone=cfg.model.share_critic_backbone, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
-                                            zero3_config=ds_config if self.stage3 else None) if self.use_critic else None)
+        # a value head on the policy's own trunk: one network, one forward and one backward for both losses
+        self.shared_trunk = self.use_critic and cfg.model.share_critic_backbone
+        t = cfg.train
+        if self.shared_trunk:
+            actor_net = PolicyValueLM(lm, spec, head_init=cfg.model.value_head_init, seed=cfg.train.seed, detach_value_features=cfg.algo.separate_losses)
+            critic_net = None
+            # one Adam, two learning rates: the policy's tensors at train.actor_lr, the value head at train.critic_lr
+            heads = [p for p in actor_net.value_head.parameters()]
+            rest = [p for p in actor_net.parameters() if all(p is not h for h in heads)]
+            actor_opt = torch.optim.Adam([{"params": rest, "lr": t.actor_lr, "role": "actor"}, {"params": heads, "lr": t.critic_lr, "role": "critic"}],
+                                         lr=t.actor_lr, weight_decay=t.weight_decay)
+        else:
+            actor_net = CausalLMLogProbs.from_spec(lm, spec)
+            critic_net = (ValueModel.from_actor(lm, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
+                                                zero3_config=ds_config if self.stage3 else None) if self.use_critic else None)
+            actor_opt = torch.optim.Adam(actor_net.parameters(), lr=t.actor_lr, weight_decay=t.weight_decay)
         if cfg.model.gradient_checkpointing:
             for net in filter(None, (actor_net, critic_net)):
                 enable_gradient_checkpointing(net)
         self.frozen_lm = self._frozen_copy() if cfg.algo.frozen_summary else None
-        t = cfg.train
-        actor_opt = torch.optim.Adam(actor_net.parameters(), lr=t.actor_lr, weight_decay=t.weight_decay)
         critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay) if critic_net is not None else None
         self.critic_model = self.critic_opt = None
         if self.use_ds:  # two engines from one DeepSpeed JSON (docs/design.md §9)
@@ -80,15 +91,18 @@ class LearnerModels:
             self.actor_model, self.actor_opt = accelerator.prepare(actor_net, actor_opt)
         L = cfg.learner
         self.critic = None
+        actor_out = ["log_prob", "entropy"] + (["state_value"] if self.shared_trunk else [])
         if L.prefix_sharing:  # each token computed once: crl/learner.py
             shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
-            self.actor = PrefixSharedForward(self.actor_model, ["log_prob", "entropy"], **shared)
+            self.actor = PrefixSharedForward(self.actor_model, actor_out, **shared)
             if self.critic_model is not None:
                 self.critic = PrefixSharedForward(self.critic_model, ["state_value"], **shared)
         else:  # one padded forward of every segment row per micro-batch
-            self.actor = TensorDictModule(self.actor_model, list(MODEL_IN_KEYS), ["log_prob", "entropy"])
+            self.actor = TensorDictModule(self.actor_model, list(MODEL_IN_KEYS), actor_out)
             if self.critic_model is not None:
                 self.critic = TensorDictModule(self.critic_model, list(MODEL_IN_KEYS), ["state_value"])
+        if self.shared_trunk:  # the critic is the actor: one module writes log-probs, entropies and values
+            self.critic = self.actor
 
     def _frozen_copy(self):
         """The frozen-summary policy: a plain copy of the (warm-started) actor, the same on every rank. Under ZeRO-3 it
@@ -129,6 +143,9 @@ class LearnerModels:
         acc = self.accelerator
         actor_sd = acc.get_state_dict(self.actor_model)  # consolidated on rank 0
         critic_sd = acc.get_state_dict(self.critic_model) if self.critic_model is not None else None
+        if self.shared_trunk:  # PolicyValueLM: lm.* is the policy, value_head.* the critic's own tensors
+            critic_sd = {k: v for k, v in actor_sd.items() if k.startswith("value_head.")}
+            actor_sd = {k: v for k, v in actor_sd.items() if k.startswith("lm.")}
         if self.use_ds:
             for name, model, _ in self.trained():
                 atomic_torch_save(directory / ckpt_files.optimizer_file(name, rank),
@@ -142,10 +159,8 @@ class LearnerModels:
         else:
             ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()}, tokenizer)
         if critic_sd is not None:
-            critic = self.accelerator.unwrap_model(self.critic_model)
-            if self.cfg.model.share_critic_backbone:  # the backbone is the policy's: store the head only
-                critic_sd = {k: v for k, v in critic_sd.items() if k.startswith("value_head.")}
-            elif self.cfg.model.lora.enabled:  # a plain critic's names (what the audit loads), and the trained tensors to resume
+            critic = self.accelerator.unwrap_model(self.critic_model) if self.critic_model is not None else None
+            if not self.shared_trunk and self.cfg.model.lora.enabled:  # a plain critic's names (what the audit loads), and the trained tensors to resume
                 critic_sd = merged_state_dict(critic)
                 ckpt_files.save_weights(trainable_state_dict(critic), directory / CRITIC_TRAINED_FILE)
             ckpt_files.save_weights(critic_sd, directory / ckpt_files.CRITIC_FILE)
@@ -164,13 +179,14 @@ class LearnerModels:
         else:
             ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
         critic = acc.unwrap_model(self.critic_model) if self.critic_model is not None else None
-        if critic is not None and not self.cfg.model.share_critic_backbone and self.cfg.model.lora.enabled:
+        if self.shared_trunk:  # the trunk is the policy's (loaded above): the value head only
+            ckpt_files.load_weights_(acc.unwrap_model(self.actor_model), checkpoint / ckpt_files.CRITIC_FILE, keys=("value_head.",))
+        elif critic is not None and self.cfg.model.lora.enabled:
             from safetensors.torch import load_file
 
             load_trainable_(critic, load_file(str(checkpoint / CRITIC_TRAINED_FILE)), checkpoint / CRITIC_TRAINED_FILE)
         elif critic is not None:
-            shared = ("value_head.",) if self.cfg.model.share_critic_backbone else None
-            ckpt_files.load_weights_(acc.unwrap_model(self.critic_model), checkpoint / ckpt_files.CRITIC_FILE, keys=shared)
+            ckpt_files.load_weights_(critic, checkpoint / ckpt_files.CRITIC_FILE)
         if self.frozen_lm is not None and not is_lora(self.lm):
             ckpt_files.load_weights_(self.frozen_lm, checkpoint / ckpt_files.FROZEN_POLICY_DIR / ckpt_files.WEIGHTS_FILE)
         for name, model, opt in self.trained():

@@ -26,6 +26,9 @@ from crl.training.accelerator import mean_over_ranks
 
 __all__ = ["LossMetrics", "PPOUpdate", "UpdateReport"]
 
+# the loss outputs of the value loss: under a shared trunk the policy's step computes them, logged as the critic's
+CRITIC_METRICS = ("loss_critic", "explained_variance", "share_critic_execution", "share_critic_summary")
+
 
 @dataclass
 class LossMetrics:
@@ -85,6 +88,7 @@ class UpdateReport:
     policy_steps: int | None = None
     kl_stop: bool | None = None
     learner_s: float | None = None
+    critic_passes: int = 0
 
     def metrics(self, device, *, learner_tokens: float, policy_epochs: int) -> dict[str, float]:
         """The logged metrics, the same on every rank (every rank calls it: collectives): each loss metric's mean over
@@ -105,7 +109,7 @@ class UpdateReport:
             if sums[2 * i + 1] > 0:  # no optimized token of the kind (frozen summaries, a skipped update): no value
                 log[f"policy/entropy_{kind}"] = float(sums[2 * i] / sums[2 * i + 1])
         if self.learner_s is not None:
-            passes = (1 + int(self.entropy_pass) + len(self.grad_norms["critic"]) + (policy_epochs if self.grad_norms["actor"] else 0))
+            passes = (1 + int(self.entropy_pass) + self.critic_passes + (policy_epochs if self.grad_norms["actor"] else 0))
             log["perf/learner_tokens_per_s"] = passes * learner_tokens / max(self.learner_s, 1e-9)
         return log
 
@@ -126,7 +130,11 @@ class PPOUpdate:
         else:
             self.estimator = GroupRelativeAdvantage(baseline=a.group_baseline, scale=a.group_scale)
         ppo_kwargs = dict(eps_low=a.clip_eps_low, eps_high=a.clip_eps_high, aggregation=a.aggregation)
-        self.policy_loss = CompactionPPOLoss(models.actor, None, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, **ppo_kwargs)
+        # a shared trunk (models.shared_trunk): the policy loss carries the value loss, weighted algo.critic_coef, through
+        # the one network's one forward and backward; the critic loss alone serves the critic warm-up's steps
+        joint = models.critic if models.shared_trunk else None
+        self.policy_loss = CompactionPPOLoss(models.actor, joint, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, critic_coeff=a.critic_coef,
+                                             clip_value=a.clip_value if joint is not None else None, **ppo_kwargs)
         self.critic_loss = CompactionPPOLoss(None, models.critic, clip_value=a.clip_value, **ppo_kwargs) if models.critic is not None else None
         self.reset_report()
 
@@ -143,10 +151,13 @@ class PPOUpdate:
             return self.estimator(batch)
         with torch.no_grad():
             if self.cfg.learner.prefix_sharing:  # no graph kept: the whole batch at once, chunked by the plan
-                values = self.models.critic(batch.select(*self.models.critic.in_keys).clone())["state_value"]
+                out = self.models.critic(batch.select(*self.models.critic.in_keys).clone())
             else:
-                values = torch.cat([self.models.critic(mb.select(*MODEL_IN_KEYS).clone())["state_value"] for mb in self.split(batch)])
-        batch["state_value"] = values[: batch.batch_size[0]] * batch["loss_mask"]
+                out = torch.cat([self.models.critic(mb.select(*MODEL_IN_KEYS).clone()) for mb in self.split(batch)])
+        S = batch.batch_size[0]
+        batch["state_value"] = out["state_value"][:S] * batch["loss_mask"]
+        if self.models.shared_trunk:  # the same forward gave the sampling weights' entropies: no pass of its own for them
+            self.record_entropy(batch, out["entropy"][:S])
         self.models.release_gathered()
         return self.estimator(batch)
 
@@ -198,8 +209,8 @@ class PPOUpdate:
         rates = {"actor": t.actor_lr * frac, "critic": t.critic_lr * frac}
         for name, opt in (("actor", self.models.actor_opt), ("critic", self.models.critic_opt)):
             if opt is not None:  # (a DeepSpeed engine's optimizer exposes the same param_groups)
-                for group in opt.param_groups:
-                    group["lr"] = rates[name]
+                for group in opt.param_groups:  # a shared trunk's one optimizer: the value head's group is the critic's
+                    group["lr"] = rates[group.get("role", name)]
         return rates
 
     def set_entropy_coef(self, iteration: int) -> float:
@@ -258,13 +269,18 @@ class PPOUpdate:
             else:
                 ent = torch.cat([self.models.actor(mb.select(*MODEL_IN_KEYS).clone())["entropy"] for mb in self.split(batch)])
         self.models.release_gathered()
-        ent, mask = ent[:S].to(torch.float64), batch["loss_mask"].bool()
+        self.record_entropy(batch, ent[:S])
+        self.report.entropy_pass = True  # one more pass over the batch (perf/learner_tokens_per_s)
+
+    def record_entropy(self, batch: TensorDict, entropy) -> None:
+        """``report.behaviour_entropy[kind] = [Σ H_t, n]`` over ``batch``'s optimized tokens of each segment kind, from
+        ``entropy`` ``[S, T]`` computed with the weights that sampled them."""
+        ent, mask = entropy.to(torch.float64), batch["loss_mask"].bool()
         kind = batch["segment_kind"].unsqueeze(-1)
         self.report.behaviour_entropy = {
             name: [float(torch.where(mask & (kind == int(k)), ent, 0.0).sum()), int((mask & (kind == int(k))).sum())]
             for name, k in (("execution", SegmentKind.EXECUTION), ("summary", SegmentKind.SUMMARY))
         }
-        self.report.entropy_pass = True  # one more pass over the batch (perf/learner_tokens_per_s)
 
     def optimizer_step(self, name: str, mbs: list[TensorDict], max_kl: float | None = None) -> bool:
         """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`):
@@ -277,9 +293,11 @@ class PPOUpdate:
         norm, the normalizer (evidence) and the loss module's metrics in ``self.report``.
         """
         report = self.report
+        shared = self.models.shared_trunk  # one network and one optimizer for both losses
         loss_module, model, opt, metrics = {
             "actor": (self.policy_loss, self.models.actor_model, self.models.actor_opt, report.policy),
-            "critic": (self.critic_loss, self.models.critic_model, self.models.critic_opt, report.critic),
+            "critic": (self.critic_loss, self.models.actor_model if shared else self.models.critic_model,
+                       self.models.actor_opt if shared else self.models.critic_opt, report.critic),
         }[name]
         norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
         outs = []
@@ -293,6 +311,9 @@ class PPOUpdate:
                 self.accelerator.backward(loss)
             outs.append(out)
         for out in outs:  # a dropped step's metrics too: its approx_kl is why it was dropped
+            if name == "actor" and shared:  # the value loss's metrics are the critic's (critic/loss_critic, critic/explained_variance)
+                report.critic.add(out.select(*[k for k in out.keys() if k in CRITIC_METRICS]))
+                out = out.exclude(*CRITIC_METRICS)
             metrics.add(out)
         if max_kl is not None:
             kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
@@ -300,6 +321,10 @@ class PPOUpdate:
             if float(kl[0]) > max_kl * float(kl[1]):
                 opt.zero_grad(set_to_none=True)
                 return False
+        head_norm = None
+        if name == "actor" and shared:  # the critic's own tensors' gradient (the value head's, before clipping): its entry
+            head = self.accelerator.unwrap_model(model).value_head
+            head_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in head.parameters() if p.grad is not None])))
         if self.models.use_ds:
             gn = model.get_global_grad_norm()
             gn = float(gn) if gn is not None else float("nan")
@@ -307,6 +332,10 @@ class PPOUpdate:
             gn = float(self.accelerator.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if head_norm is not None:
+            report.grad_norms["critic"].append(head_norm)
+        if name == "critic":
+            report.critic_passes += 1
         if name == "actor" and report.behaviour_entropy is None and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
             # the iteration's first policy step: every row, forwarded with the weights that sampled it
             report.behaviour_entropy = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]

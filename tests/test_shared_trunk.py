@@ -1,0 +1,186 @@
+"""A critic on the policy's trunk in one pass (``model.share_critic_backbone``, issue 46): ``PolicyValueLM`` writes
+log-probs, entropies and values from one forward, and the policy loss carries the value loss weighted
+``algo.critic_coef`` through one backward.
+
+Checked against an independent computation: the gradients of the one-pass loss equal the gradients of the two losses
+computed by two networks of their own (``CausalLMLogProbs`` and ``ValueModel`` on the same tensors), each backpropagated
+on its own and summed with the same coefficient, to float32 rounding; with ``algo.separate_losses`` the trunk gets the
+policy loss's gradient alone and the head the value loss's. With and without LoRA. Through the ``Trainer``: one trunk
+pass for the values and the behaviour entropies, one forward and one backward per micro-batch of each policy step, and
+no critic step of its own; through ``scripts/train.py``: a resumed run equals an uninterrupted one and passes the audit.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from crl.config import ConfigValidationError, load_config
+from crl.learner import PrefixSharedForward
+from crl.modules.models import CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
+from crl.objectives import CompactionPPOLoss
+from crl.sampling import SamplingSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
+
+
+def tiny_lm(lora: bool):
+    lm = build_causal_lm("llama-tiny", vocab_size=64, max_positions=64, eos_token_id=1, seed=0)
+    if not lora:
+        return lm
+    from crl.modules.lora import apply_lora
+
+    lm = apply_lora(lm, load_config(ROOT / "configs" / "default.yaml", LORA).model.lora)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B starts at 0: non-zero adapters, so the adapter path is in the computation
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return lm
+
+
+def batch_for(net) -> TensorDict:
+    """Two rollouts, three segment rows (row 0 an exact prefix of row 1: a prefix pair the learner shares), ragged
+    lengths; behaviour log-probs off the current ones (ratios away from 1, some clipped), advantages, targets and
+    old values drawn at random."""
+    g = torch.Generator().manual_seed(7)
+    S, T = 3, 24
+    tokens = torch.randint(2, 64, (S, T), generator=g)
+    lengths = torch.tensor([14, 20, 24])
+    tokens[1, :14] = tokens[0, :14]
+    attention = (torch.arange(T) < lengths[:, None]).long()
+    tokens = tokens * attention
+    loss_mask = torch.zeros(S, T, dtype=torch.bool)
+    loss_mask[0, 6:14] = loss_mask[1, 16:20] = loss_mask[2, 3:24] = True
+    with torch.no_grad():
+        logp, _ = CausalLMLogProbs.outputs(net, net.lm(input_ids=tokens, attention_mask=attention).logits, tokens, attention)
+    td = TensorDict(tokens=tokens, attention_mask=attention, loss_mask=loss_mask,
+                    sample_log_prob=(logp + 0.3 * torch.randn(S, T, generator=g)) * loss_mask,
+                    advantage=torch.randn(S, T, generator=g) * loss_mask, value_target=torch.randn(S, T, generator=g) * loss_mask,
+                    state_value=torch.randn(S, T, generator=g) * loss_mask, segment_kind=torch.tensor([0, 1, 0]),
+                    rollout_id=torch.tensor([0, 0, 1]), segment_index=torch.tensor([0, 1, 0]), batch_size=[S])
+    return td
+
+
+def grads(module) -> dict:
+    out = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("separate_losses", [False, True], ids=["shared_losses", "separate_losses"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_one_pass_loss_has_the_two_pass_losses_gradients_summed_with_the_coefficient(lora, separate_losses):
+    coef = 0.7
+    net = PolicyValueLM(tiny_lm(lora), SamplingSpec(1.0, 1.0), head_init="normal", seed=3, detach_value_features=separate_losses)
+    td = batch_for(net)
+    kw = dict(entropy_coeff=0.01, clip_value=0.2)
+
+    one = PrefixSharedForward(net, ["log_prob", "entropy", "state_value"])  # what the trainer runs
+    out = CompactionPPOLoss(one, one, critic_coeff=coef, **kw)(td.clone())
+    assert out["clip_fraction"] > 0, "nothing clipped: the clipped branch was not compared"
+    (out["loss_objective"] + out["loss_entropy"] + out["loss_kl"] + out["loss_critic"]).backward()
+    g_one = grads(net)
+
+    # the reference: the policy and the critic as networks of their own over the same tensors, two losses, two backwards
+    policy = PrefixSharedForward(CausalLMLogProbs(net.lm), ["log_prob", "entropy"])
+    critic_net = ValueModel(net.lm.get_decoder(), net.lm.config.hidden_size)
+    critic_net.value_head = net.value_head
+    critic = PrefixSharedForward(critic_net, ["state_value"])
+    p_out = CompactionPPOLoss(policy, None, entropy_coeff=0.01)(td.clone())
+    (p_out["loss_objective"] + p_out["loss_entropy"] + p_out["loss_kl"]).backward()
+    g_policy = grads(net)
+    v_out = CompactionPPOLoss(None, critic, clip_value=0.2)(td.clone())
+    v_out["loss_critic"].backward()
+    g_value = grads(net)
+
+    for key in ("loss_objective", "loss_entropy", "clip_fraction", "approx_kl"):
+        torch.testing.assert_close(out[key], p_out[key], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out["loss_critic"], coef * v_out["loss_critic"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out["explained_variance"], v_out["explained_variance"], rtol=1e-6, atol=1e-7)
+    names = set(g_one) | set(g_policy) | set(g_value)
+    head = {n for n in names if n.startswith("value_head.")}
+    assert head and len(names) > len(head), "the trunk or the head got no gradient: nothing was compared"
+    zero = torch.zeros(())
+    for name in names:
+        gp, gv = g_policy.get(name, zero), g_value.get(name, zero)
+        expect = gp + coef * gv if not separate_losses else (coef * gv if name in head else gp)
+        torch.testing.assert_close(g_one.get(name, zero).expand_as(expect), expect, rtol=1e-5, atol=1e-7, msg=name)
+    if lora:  # only adapters and the head train: the frozen base weights have no gradient
+        assert all("lora_" in n or n.startswith("value_head.") for n in g_one)
+
+
+def test_critic_coef_and_separate_losses_are_refused_without_a_shared_trunk():
+    with pytest.raises(ConfigValidationError, match="algo.critic_coef/separate_losses"):
+        load_config(ROOT / "configs" / "default.yaml", ["algo.separate_losses=true"])
+    with pytest.raises(ConfigValidationError, match="algo.critic_coef/separate_losses"):
+        load_config(ROOT / "configs" / "default.yaml", ["algo.critic_coef=0.5"])
+    with pytest.raises(ConfigValidationError, match="algo.critic_coef"):
+        load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", "algo.critic_coef=0"])
+    load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "algo.separate_losses=true"])
+
+
+def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_micro_batch_of_each_policy_step(tmp_path):
+    """Counted with forward/backward hooks on the causal LM: ``compute_advantages`` forwards each planned chunk once
+    and records the behaviour entropies from that pass; each policy step makes one forward and one backward per
+    micro-batch; the critic's metrics come from the policy's steps."""
+    from crl.trainer import Trainer
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        f"run_dir={tmp_path / 'run'}", "model.share_critic_backbone=true", "train.iterations=1", "train.episodes_per_batch=4",
+        "train.micro_batches=2", "train.policy_minibatches=2", "train.critic_warmup_iterations=0", "warm_start.steps=5",
+        "warm_start.stop_answer_p=null", "eval.episodes=2", "logging.wandb_mode=disabled", "logging.progress=false",
+        "model.value_head_init=normal", "env.invalid_command=observe"])
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.critic is trainer.actor and trainer.models.critic_opt is None
+        rollout = trainer.collect()
+        calls = {"forward": 0, "backward": 0}
+        last = trainer.lm.get_decoder().norm  # the trunk's last module: once per forward of the trunk, once per backward
+        h1 = last.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+        h2 = last.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
+        try:
+            batch = trainer.compute_advantages(rollout)
+            chunks = len(trainer.actor.last_plan.chunks)
+            assert calls == {"forward": chunks, "backward": 0}
+            assert trainer.ppo.report.behaviour_entropy is not None  # from the values' pass
+            calls.update(forward=0)
+            trainer.update_policy(batch, 0)
+        finally:
+            h1.remove()
+            h2.remove()
+        mbs = 2 * 2  # policy_minibatches x micro_batches, each micro-batch one forward call per chunk of its plan
+        assert calls["backward"] == calls["forward"] >= mbs
+        report = trainer.ppo.report
+        assert len(report.grad_norms["actor"]) == 2 and len(report.grad_norms["critic"]) == 2  # the head's, per policy step
+        assert report.critic_passes == 0
+        logged = report.metrics(trainer.device, learner_tokens=1, policy_epochs=1)
+        assert {"critic/loss_critic", "critic/explained_variance", "policy/loss_objective"} <= set(logged)
+        assert "policy/loss_critic" not in logged
+    finally:
+        trainer.close()
+
+
+def _metrics(run_dir):
+    keep = ("train/reward", "policy/approx_kl", "policy/loss_objective", "critic/loss_critic", "critic/explained_variance",
+            "grad_norm/actor", "grad_norm/critic")
+    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"} for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_shared_trunk_run_resumed_equals_an_uninterrupted_one_and_passes_the_audit(tmp_path, lora):
+    from test_multirank import audit, launch
+
+    arm = ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "train.policy_minibatches=2", *(LORA if lora else [])]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch(1, straight, *arm, "train.iterations=3")
+    launch(1, split, *arm, "train.iterations=1")
+    assert "resumed from" in launch(1, split, *arm, "train.iterations=3").stdout
+    assert _metrics(straight) == _metrics(split)
+    assert all("critic/explained_variance" in r for r in _metrics(straight) if r["step"] >= 1)
+    audit(straight)
+    audit(split)
