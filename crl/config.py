@@ -39,6 +39,10 @@ class LoraSettings:
     dropout: float = 0.0  # on the adapters' input; 0 keeps sampler and learner the same function
     # the linear layers adapted (names inside each decoder layer; Llama/Qwen2: attention and MLP projections)
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # the transformers sampler decodes with the adapters merged into a copy of the adapted layers (W + alpha/r B A,
+    # refreshed after every update: no adapter matmuls per decode step; memory: one copy of those layers, in bf16 under
+    # train.precision=bf16) | false: it samples through the learner's own peft model
+    merge_for_sampling: bool = True
 
 
 @dataclass

@@ -139,6 +139,48 @@ def _metrics(run_dir):
     return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"} for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_merged_adapter_sampling_gives_the_adapter_models_distribution_and_tokens(dtype):
+    """The sampler's merged copy (crl.modules.lora.MergedAdapters) computes the peft model's next-token distributions
+    up to the precision's rounding (bf16: both under bf16 autocast, within 2 bf16 ulps of a log-prob), shares the
+    base tensors instead of copying them, and follows the adapters when refreshed (a stale copy is far off: checked).
+    fp32: it draws the peft model's tokens with the same seed. (In bf16 the two round differently, about one ulp, so
+    a draw near a boundary between two tokens may fall either way: the distributions are what is compared.)"""
+    import contextlib
+
+    from crl.modules.generation import TransformersBackend
+    from crl.modules.lora import MergedAdapters
+    from crl.sampling import SamplingSpec
+
+    lm = perturbed_lora_lm().eval()
+    merged = MergedAdapters(lm, dtype=dtype)
+    base = lm.get_base_model()
+    assert merged.model.model.embed_tokens.weight.data_ptr() == base.model.embed_tokens.weight.data_ptr()  # not copied
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == torch.bfloat16 else contextlib.nullcontext
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(torch.bfloat16).eps
+    ids = torch.randint(2, 64, (4, 40), generator=torch.Generator().manual_seed(0))
+
+    def log_probs(model):
+        with torch.no_grad(), autocast():
+            return model(input_ids=ids).logits.float().log_softmax(-1)
+
+    assert (log_probs(merged.model) - log_probs(lm)).abs().max() < tol
+    with torch.no_grad():  # the adapters move (an update): the copy follows them only when refreshed
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    assert (log_probs(merged.model) - log_probs(lm)).abs().max() > 10 * tol
+    merged.refresh()
+    assert (log_probs(merged.model) - log_probs(lm)).abs().max() < tol
+    if dtype == torch.float32:
+        spec = SamplingSpec(1.0, 1.0, stop_token_ids=(1,))
+        prompts = [[5, 9, 12, 3, 7, 7, 2], [11, 4]]
+        a = TransformersBackend(merged.model, seed=11).generate(prompts, [24, 24], spec)
+        b = TransformersBackend(lm, seed=11).generate(prompts, [24, 24], spec)
+        assert [g.token_ids for g in a] == [g.token_ids for g in b] and sum(len(g.token_ids) for g in a) > 10
+        assert [x for g in a for x in g.log_probs] == pytest.approx([x for g in b for x in g.log_probs], abs=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", [[], ["algo.frozen_summary=true"]], ids=["joint", "frozen_summary"])
 def test_a_lora_run_resumed_equals_an_uninterrupted_one_and_its_merged_policy_samples_the_adapter_models_tokens(tmp_path, arm):

@@ -239,8 +239,9 @@ FIRST_UPDATE_KL_BOUND = {p: torch.finfo(torch.float32).eps + torch.finfo(dtype).
                          for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
 
 
+@pytest.mark.parametrize("lora", [[], ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]], ids=["full", "lora_merged"])
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
-def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, precision):
+def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, precision, lora):
     """Issue 27 defect 2: with bf16 mixed precision (``train.precision=bf16``; auto on a CUDA GPU) accelerate autocast
     only the learner's forward while the sampler ran the same model in fp32, so the first PPO ratio was not 1 (here:
     approx_kl 8e-6 on the default task, the same run with sampling under autocast 1e-8). The trainer samples under
@@ -249,7 +250,11 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
 
     Issue 40 item 7: the bound follows from the precision (FIRST_UPDATE_KL_BOUND), so native bf16 kernels (AVX512_BF16)
     pass as emulated ones do; the defence itself is checked exactly: every sampler forward runs under the learner's
-    autocast. And the bound is shown to catch a wrong ratio (a 1 % temperature mismatch) on the same batch."""
+    autocast. And the bound is shown to catch a wrong ratio (a 1 % temperature mismatch) on the same batch.
+
+    Issue 46: with LoRA the sampler decodes with the adapters merged into a copy of the adapted layers
+    (crl.modules.lora.MergedAdapters, bf16 weights under bf16) while the learner runs the unmerged adapters: the same
+    function up to rounding, so the same bound holds."""
     from accelerate.state import AcceleratorState
 
     from crl.config import load_config
@@ -259,9 +264,12 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
     cfg = load_config("configs/default.yaml", [f"run_dir={tmp_path / 'run'}", f"train.precision={precision}", "train.iterations=1",
                                                "train.episodes_per_batch=8", "warm_start.steps=30", "warm_start.stop_answer_p=null",
                                                "logging.wandb_mode=disabled", "logging.progress=false", "train.policy_minibatches=1",
-                                               "train.critic_warmup_iterations=0"])
+                                               "train.critic_warmup_iterations=0", *lora])
     trainer = Trainer(cfg)
     try:
+        assert (trainer.sampler.merged is not None) == bool(lora)
+        if lora:  # the warm start moved the adapters: the merged weights differ from the base ones
+            assert any(p.abs().max() > 0 for n, p in trainer.lm.named_parameters() if "lora_B" in n)
         assert trainer.accelerator.mixed_precision == ("bf16" if precision == "bf16" else "no")
         device, dtype = trainer.device.type, (torch.bfloat16 if precision == "bf16" else None)
         sampled_in = set()  # the autocast of every forward the sampler makes: the learner's precision (issue 27 defect 2)
@@ -273,7 +281,8 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
             hook.remove()
         assert sampled_in == {dtype}, f"the sampler ran under autocast {sampled_in}, the learner under {dtype}"
         bound = FIRST_UPDATE_KL_BOUND[precision]
-        assert mismatched_temperature_kl(trainer, batch, 1.01) > 3 * bound  # the bound would see a ratio that is wrong
+        # the bound would see a ratio that is wrong: 1 % off (3 % with LoRA, whose tiny warm-started policy is flatter)
+        assert mismatched_temperature_kl(trainer, batch, 1.03 if lora else 1.01) > 3 * bound
         trainer.update_policy(batch, 0)
         metrics = trainer.ppo.report.policy.logged("policy/")
         assert metrics["policy/approx_kl"][0] < bound and metrics["policy/clip_fraction"][0] == 0, (metrics["policy/approx_kl"], bound)

@@ -13,8 +13,11 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from crl.config import Config
 from crl.modules.backends import make_backend
+from crl.modules.lora import MergedAdapters, is_lora
 from crl.modules.zero3 import LockstepEngineLM
 from crl.streams import evaluation_seeds, resumed_sampler_seeds, sampler_seeds
 from crl.training.accelerator import barrier
@@ -30,8 +33,17 @@ class Sampler:
     def __init__(self, cfg: Config, models, device, rank: int, local_rank: int, run_dir: Path):
         self.cfg, self.models, self.device, self.rank, self.local_rank = cfg, models, device, rank, local_rank
         # ZeRO-3 samples through the partitioned engine (no full copy anywhere); vLLM samples in engines of its own,
-        # one per rank: no collective while sampling, under ZeRO-3 too
-        self.gen_lm = LockstepEngineLM(models.actor_model, device) if models.stage3 and cfg.model.backend == "transformers" else models.lm
+        # one per rank: no collective while sampling, under ZeRO-3 too; LoRA samples from a merged copy of the adapted
+        # layers (model.lora.merge_for_sampling; crl.modules.lora.MergedAdapters), refreshed at every sync
+        self.merged = None
+        if models.stage3 and cfg.model.backend == "transformers":
+            self.gen_lm = LockstepEngineLM(models.actor_model, device)
+        elif is_lora(models.lm) and cfg.model.backend == "transformers" and cfg.model.lora.merge_for_sampling:
+            bf16 = models.accelerator.mixed_precision == "bf16"  # autocast casts each linear weight to bf16 anyway
+            self.merged = MergedAdapters(models.lm, dtype=torch.bfloat16 if bf16 else None)
+            self.gen_lm = self.merged.model
+        else:
+            self.gen_lm = models.lm
         policy_seed, frozen_seed = sampler_seeds(cfg.train.seed, rank)
         self.weights_dir = None
         if cfg.model.backend == "transformers":
@@ -55,12 +67,15 @@ class Sampler:
         """Give the policy's backend the learner's current weights, as version ``version``.
 
         The transformers backend samples from the learner's own module (ZeRO-3: through the partitioned engine), so
-        only its version moves; a vLLM engine per rank reloads the weights written by
+        only its version moves, or with LoRA from the merged copy, recomputed here from the adapters; a vLLM engine per rank reloads the weights written by
         :func:`crl.modules.vllm_backend.export_weights` (one module at a time, gathered under ZeRO-3; local rank 0 of
         each machine writes, every engine there reads). The version moves only when every worker of the engine (all
         its tensor-parallel workers) applied every tensor the learner exported and left no parameter with its old
         weights (:func:`crl.modules.vllm_backend.check_weights_applied`): the weights arrived, not merely the call."""
         t0 = time.perf_counter()
+        if self.merged is not None:
+            self.merged.refresh()
+            self.backend.clear_prefix_cache()
         if self.weights_dir is not None:
             from crl.modules.vllm_backend import check_weights_applied, claim_weights_dir, export_weights
 
