@@ -162,6 +162,7 @@ def build_prompt_format(cfg, codec: TextCodec):
         _check_known_words(cfg, codec)
         return PlainFormat(codec.encode, **texts)
     texts.update({key: getattr(p, key) for key in ("task_template", "observation_template") if getattr(p, key) is not None})
+    texts["system_turn"] = p.system_turn
     path = Path(cfg.model.preset)
     if cfg.env.name == "torchrl_chat":  # the ChatEnv suite renders its own turns; this format names the stop token
         return ChatFormat(codec.tokenizer, **texts)

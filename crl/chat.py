@@ -135,6 +135,10 @@ class ChatFormat:
             assistant turn in the template, e.g. ``<|im_end|>``); :attr:`stop_id` is its id.
         system_prompt / summary_instruction / resume_prefix / resume_suffix: the texts.
         task_template / observation_template: ``str.format`` templates with ``{task}`` / ``{observation}``.
+        system_turn: ``"own"`` (a system turn holding ``system_prompt``) or ``"template"``: what the template itself
+            renders before the first user turn of a conversation with no system message (SmolLM2: its built-in
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face", 21 tokens against the own turn's 48;
+            ``system_prompt`` then unused). Refused when the template renders nothing there (``s`` must hold a token).
     """
 
     _SENTINELS = ("\u2983crl-system\u2984", "\u2983crl-user\u2984", "\u2983crl-assistant\u2984", "\u2983crl-user2\u2984")
@@ -150,6 +154,7 @@ class ChatFormat:
         resume_suffix: str = CHAT_RESUME_SUFFIX,
         task_template: str = "{task}",
         observation_template: str = "{observation}",
+        system_turn: str = "own",
     ):
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template; use prompt.format=plain")
@@ -160,7 +165,15 @@ class ChatFormat:
         self.stop_id = int(tokenizer.convert_tokens_to_ids(self.stop_token))
         if self.encode(self.stop_token) != [self.stop_id]:
             raise ChatTemplateError(f"the end-of-turn {self.stop_token!r} is not a single token of this tokenizer")
-        self._system = self.encode(t["system_open"] + system_prompt + t["system_close"])
+        if system_turn == "own":
+            self._system = self.encode(t["system_open"] + system_prompt + t["system_close"])
+        elif system_turn == "template":
+            self._system = self.encode(self._template_system_turn(tokenizer, t["user_open"]))
+            if not self._system:
+                raise ChatTemplateError("system_turn='template': this chat template renders no system turn for a conversation without one; "
+                                        "use system_turn='own'")
+        else:
+            raise ChatTemplateError(f"system_turn={system_turn!r} is not 'own' or 'template'")
         close_assistant = t["stop"] + t["assistant_sep"]
         self._summary = self.encode(close_assistant + t["user_open"] + summary_instruction + t["user_close"] + t["generation"])
         self._prefix = self.encode(t["user_open"] + resume_prefix)
@@ -210,6 +223,16 @@ class ChatFormat:
             system_open=system_open, system_close=system_close, user_open=user_open, user_close=user_close,
             generation=generation, stop=stop_token, assistant_sep=assistant_close[len(stop_token):],
         )
+
+    @classmethod
+    def _template_system_turn(cls, tok, user_open: str) -> str:
+        """The text the template renders before the first user turn when the conversation has no system message."""
+        U = cls._SENTINELS[1]
+        text = tok.apply_chat_template([{"role": "user", "content": U}], tokenize=False, add_generation_prompt=False)
+        head = text[: text.find(U)]
+        if not head.endswith(user_open):
+            raise ChatTemplateError("the chat template does not open the first user turn as it opens the others")
+        return head[: len(head) - len(user_open)]
 
     # ------------------------------------------------------------------ PromptFormat
     def system_ids(self) -> list[int]:

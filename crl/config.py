@@ -83,6 +83,9 @@ class PromptConfig:
     resume_prefix: Optional[str] = None  # u_resume before the copied summary (Eq. 9)
     resume_suffix: Optional[str] = None  # u_resume after the copied summary
     task_template: Optional[str] = None  # u from the environment's task text, e.g. "Task: {task}"
+    # chat: own (a system turn holding prompt.system or crl's text, crl/chat.py) | template (what the chat template
+    # renders for a conversation with no system message: SmolLM2's built-in one, 21 tokens against 48)
+    system_turn: str = "own"
     observation_template: Optional[str] = None  # o_i from the environment's observation, e.g. "Output: {observation}"
 
 
@@ -308,6 +311,7 @@ class Config:
 CHOICES = {
     "model.backend": ("transformers", "vllm"),
     "prompt.format": ("plain", "chat"),
+    "prompt.system_turn": ("own", "template"),
     "train.precision": ("auto", "fp32", "bf16"),
     "model.value_head_init": ("zero", "normal"),
     "env.name": ("memory_chain", "sequential_records", "custom", "torchrl_chat"),
@@ -438,6 +442,8 @@ def validate(cfg: Config) -> None:
         except FactoryError as err:
             raise ConfigValidationError(f"env.factory: {err}") from None
     _check_prompt_texts(cfg.prompt)
+    _need(cfg.prompt.system_turn == "own" or (cfg.prompt.format == "chat" and cfg.prompt.system is None), "prompt.system_turn",
+          "template takes the chat template's own system turn: it needs prompt.format=chat and no prompt.system")
     if e.name == "torchrl_chat":
         _check_torchrl_chat(cfg)
     _need(cfg.tools.timeout_s > 0 and cfg.tools.memory_mb >= 16 and cfg.tools.max_output_bytes >= 64, "tools.timeout_s/memory_mb/max_output_bytes",

@@ -85,11 +85,16 @@ def test_chat_pieces_tokenize_like_the_template(smollm2_tokenizer):
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("system_turn", ["own", "template"])
 @pytest.mark.parametrize("keep_task", [False, True], ids=["eq9", "keep_task_prompt"])
-def test_chat_episode_renders_as_the_template_with_correct_provenance(smollm2_tokenizer, keep_task):
+def test_chat_episode_renders_as_the_template_with_correct_provenance(smollm2_tokenizer, keep_task, system_turn):
+    """``system_turn="template"`` (prompt.system_turn): the conversations carry no system message, and every segment
+    renders as the template renders them (SmolLM2: with its built-in system turn, 21 tokens instead of 48)."""
     tok = smollm2_tokenizer
-    fmt = ChatFormat(tok)
-    task, transcript, summaries, ctx = chat_episode(fmt, keep_task=keep_task)
+    fmt = ChatFormat(tok, system_turn=system_turn)
+    assert len(fmt.system_ids()) == {"own": 48, "template": 21}[system_turn]
+    # C: the same compaction point with either system turn (27 tokens fewer with the template's)
+    task, transcript, summaries, ctx = chat_episode(fmt, keep_task=keep_task, C=300 - 48 + len(fmt.system_ids()))
     assert ctx.n_compactions == 1 and summaries
     segs = ctx.segments()
     assert [s.kind for s in segs] == [SegmentKind.EXECUTION, SegmentKind.SUMMARY, SegmentKind.EXECUTION]
@@ -114,10 +119,10 @@ def test_chat_episode_renders_as_the_template_with_correct_provenance(smollm2_to
     assert set(e0.provenance[:n_sys]) == {int(Provenance.SYSTEM)}
     assert tok.decode(e0.tokens[:n_sys]).startswith("<|im_start|>system\n")
 
-    sys_msg = {"role": "system", "content": CHAT_SYSTEM_PROMPT}
+    sys_msg = [{"role": "system", "content": CHAT_SYSTEM_PROMPT}] if system_turn == "own" else []
     k = summaries[0][0]  # steps before the compaction
     # execution_0 is exactly the template rendering of the conversation so far
-    msgs = [sys_msg, {"role": "user", "content": task}]
+    msgs = sys_msg + [{"role": "user", "content": task}]
     for a, o in transcript[:k]:
         msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": o}]
     assert e0.tokens == fmt.encode(rendered(fmt, msgs))
@@ -130,7 +135,7 @@ def test_chat_episode_renders_as_the_template_with_correct_provenance(smollm2_to
     assert set(s0.provenance[n_req:]) == {int(Provenance.SUMMARY)}
     # execution_1 = system + [task] + resume turn with the copied summary + the last k=2 steps, as the template renders it
     resume = {"role": "user", "content": CHAT_RESUME_PREFIX + summaries[0][1] + CHAT_RESUME_SUFFIX}
-    msgs = [sys_msg] + ([{"role": "user", "content": task}, {"role": "assistant", "content": ""}] if keep_task else []) + [resume]
+    msgs = sys_msg + ([{"role": "user", "content": task}, {"role": "assistant", "content": ""}] if keep_task else []) + [resume]
     for a, o in transcript[k - 2:]:
         msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": o}]
     e1 = segs[2]
