@@ -194,13 +194,16 @@ if drop:  # host root: become nobody for real (RLIMIT_NPROC does not apply to ro
             pass
     # else: RLIMIT_NPROC counts every process of the host's uid nobody: still a bound, shared between runs
 libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary can give privileges back
-if seccomp:  # the syscall filter (crl.sandbox.seccomp_filter), after the user namespace above needed unshare
-    prog = bytes.fromhex(seccomp)
-    buf = ctypes.create_string_buffer(prog, len(prog))
-    class Fprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    if libc.prctl(22, 2, ctypes.byref(Fprog(len(prog) // 8, ctypes.addressof(buf))), 0, 0) != 0:  # SECCOMP_MODE_FILTER
-        sys.exit(f"sandbox: the kernel refused the seccomp filter (errno {ctypes.get_errno()})")
+# The syscall filter (crl.sandbox.seccomp_filter), after the user namespace above needed unshare. Fail closed: no
+# program, or one the kernel refuses, and the code does not run.
+prog = bytes.fromhex(seccomp)
+if not prog or len(prog) % 8:
+    sys.exit(f"sandbox: no valid seccomp filter ({len(prog)} bytes): refusing to run the code without it")
+buf = ctypes.create_string_buffer(prog, len(prog))
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+if libc.prctl(22, 2, ctypes.byref(Fprog(len(prog) // 8, ctypes.addressof(buf))), 0, 0) != 0:  # SECCOMP_MODE_FILTER
+    sys.exit(f"sandbox: the kernel refused the seccomp filter (errno {ctypes.get_errno()})")
 for res, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_CPU, cpu, cpu + 1),
                         (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NPROC, nproc, nproc),
                         (resource.RLIMIT_CORE, 0, 0)):
@@ -434,8 +437,11 @@ class Sandbox:
         lim = self.limits
         nums = (int(drop), SANDBOX_UID, SANDBOX_GID, lim.memory_mb << 20, lim.cpu_s, lim.file_size_mb << 20,
                 lim.max_processes, ppid)
-        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path,
-                seccomp_filter(fallback=fallback).hex()]
+        prog = seccomp_filter(fallback=fallback)
+        if not prog or len(prog) % 8:  # fail closed: no sandbox without its filter (the prelude refuses too)
+            raise SandboxUnavailable(f"the sandbox's seccomp filter is empty or malformed ({len(prog)} bytes): "
+                                     "refusing to run tool code without it")
+        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path, prog.hex()]
 
     def _plain_argv(self, code: str, run_dir: str, fallback: bool):
         scratch, tmp = os.path.join(run_dir, "work"), os.path.join(run_dir, "tmp")

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,9 @@ from crl.sandbox import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+# A seccomp program of one instruction, RET ALLOW: the filter's defence removed while the sandbox still starts (it
+# refuses to start without a program: fail closed)
+ALLOW_ALL = struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000)
 
 
 @pytest.fixture(scope="module")
@@ -580,7 +584,7 @@ def test_dangerous_syscalls_get_eperm(mode, request, monkeypatch):
     res = json.loads(r.stdout)
     assert res.pop("getpid") == "ok"
     assert res == {name: "EPERM" for name in res}, res
-    monkeypatch.setattr(crl.sandbox, "seccomp_filter", lambda machine=None, fallback=False: b"")  # the defence removed once
+    monkeypatch.setattr(crl.sandbox, "seccomp_filter", lambda machine=None, fallback=False: ALLOW_ALL)  # the defence removed once
     without = json.loads(Sandbox(mode=mode).run(probe).stdout)
     assert any(v != "EPERM" for k, v in without.items() if k != "getpid"), without
 
@@ -682,6 +686,32 @@ def test_the_seccomp_program_denies_exactly_the_list(machine, arch):
         assert _run_bpf(prog, arch, 0x40000000 + 39) == _EPERM
     with pytest.raises(SandboxUnavailable, match="no syscall filter for s390x"):
         seccomp_filter("s390x")
+
+
+def test_no_filter_no_run(monkeypatch, tmp_path):
+    """Fail closed (issue 48): a seccomp program that is empty or malformed stops the call before anything runs
+    (SandboxUnavailable), and the prelude refuses one itself, so a caller that skipped the check cannot start tool
+    code without its filter either (before: an empty program installed no filter at all and the code ran)."""
+    import crl.sandbox
+
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').close()"
+    for prog in (b"", ALLOW_ALL[:5]):
+        monkeypatch.setattr(crl.sandbox, "seccomp_filter", lambda machine=None, fallback=False, prog=prog: prog)
+        with pytest.raises(SandboxUnavailable, match=r"seccomp filter is empty or malformed \(\d+ bytes\): refusing"):
+            Sandbox(mode="none").run(code)
+    assert not marker.exists()
+    monkeypatch.setattr(crl.sandbox, "seccomp_filter", lambda machine=None, fallback=False: ALLOW_ALL)
+    (tmp_path / "main.py").write_text(code)
+    argv = Sandbox(mode="none")._prelude(False, 0, str(tmp_path / "main.py"), False)
+    assert argv[-1] == ALLOW_ALL.hex()
+    ok = subprocess.run(argv, capture_output=True, text=True, timeout=60)  # the prelude runs the code with a program
+    assert ok.returncode == 0 and marker.exists(), ok.stderr
+    marker.unlink()
+    for prog in ("", ALLOW_ALL[:5].hex()):
+        proc = subprocess.run(argv[:-1] + [prog], capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and "no valid seccomp filter" in proc.stderr, proc.stderr
+        assert not marker.exists()
 
 
 # Every way into a new namespace, tried from tool code (x86_64 numbers, flags from the kernel's headers above). A
@@ -806,7 +836,7 @@ def test_no_way_into_a_namespace_unprivileged(bwrap):
         new = sb._bwrap_features(sb._resolve_bwrap(None))
         sb._bwrap_features = lambda path: new - {{"--disable-userns"}}  # bwrap < 0.8
         out["bwrap<0.8"] = sb.Sandbox(limits=limits).run(code).stdout
-        sb.seccomp_filter = lambda machine=None, fallback=False: b""  # and the filter removed: what it alone stops
+        sb.seccomp_filter = lambda machine=None, fallback=False: {ALLOW_ALL!r}  # and the filter removed: what it alone stops
         out["bwrap<0.8, no filter"] = sb.Sandbox(limits=limits).run(code).stdout
         print(json.dumps([out, "--disable-userns" in new]))
     """)
@@ -893,7 +923,7 @@ def test_anonymous_files_are_charged_to_the_call_or_denied(call_cgroups, monkeyp
     monkeypatch.setattr(crl.sandbox, "_call_cgroup", lambda limits: None)  # the fallback: the filter denies memfd_create
     r = Sandbox().run(_MEMFD)
     assert r.stdout == "refused: Operation not permitted\nheld MB: 0\n", r
-    monkeypatch.setattr(crl.sandbox, "seccomp_filter", lambda machine=None, fallback=False: b"")  # neither defence
+    monkeypatch.setattr(crl.sandbox, "seccomp_filter", lambda machine=None, fallback=False: ALLOW_ALL)  # neither defence
     r = Sandbox(limits=SandboxLimits(file_size_mb=32)).run(_MEMFD)
     assert r.stdout == "held MB: 640\n", r
 
