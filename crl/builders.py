@@ -259,21 +259,20 @@ def build_chat_suite(cfg, tokenizer=None):
 
 
 def check_tool_sandbox(cfg) -> None:
-    """``tools.sandbox: bwrap`` must work on this machine (else a load-time error with the fix); ``none`` warns on every start."""
+    """The tool sandbox must work on this machine before the first tool call (else a build-time error with the fix):
+    in every mode its syscall filter (libseccomp), in ``bwrap`` bubblewrap too; ``none`` also warns on every start."""
     import warnings
 
     from crl.config import ConfigValidationError
-
-    if cfg.tools.sandbox == "none":
-        warnings.warn("tools.sandbox=none: model-written code runs UNSANDBOXED on this machine (files, network, processes); "
-                      "use tools.sandbox=bwrap (apt-get install bubblewrap)", stacklevel=2)
-        return
     from crl.sandbox import SandboxUnavailable, check_sandbox
 
     try:
         check_sandbox(cfg.tools.sandbox)
     except SandboxUnavailable as err:
         raise ConfigValidationError(f"tools.sandbox: {err}") from None
+    if cfg.tools.sandbox == "none":
+        warnings.warn("tools.sandbox=none: model-written code runs UNSANDBOXED on this machine (files, network, processes); "
+                      "use tools.sandbox=bwrap (apt-get install bubblewrap)", stacklevel=2)
 
 
 def chat_compaction_texts(cfg) -> dict:
