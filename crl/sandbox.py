@@ -21,9 +21,10 @@ no way into a new namespace is left to tool code, whatever bwrap version or uid 
 * ``"none"``: the same limits, timeout and output cap on a plain subprocess in a temporary directory, **without any
   isolation**: the code can read and write whatever the caller can and reach the network (the caller warns).
 
-One budget per call (both modes, crl/cgroups.py): each call runs in a cgroup made for it under the one crl runs in,
-limited to ``memory_mb`` for all its processes, files and kernel memory together (the kernel's OOM killer ends the
-call at the budget: :attr:`RunResult.memory_exceeded`) and to ``max_processes`` (+2) tasks; removed after the call.
+One budget per call (both modes, crl/cgroups.py): each call runs in a cgroup made for it under the one crl runs in
+(or under the cgroup v2 delegated to it, ``tools.cgroup_parent``), limited to ``memory_mb`` for all its processes,
+files and kernel memory together (the kernel's OOM killer ends the call at the budget:
+:attr:`RunResult.memory_exceeded`) and to ``max_processes`` (+2) tasks; removed after the call.
 Where no writable cgroup exists the fallback is per-process memory only (``RLIMIT_AS`` below, so up to
 ``memory_mb × max_processes`` per call), with ``memfd_create`` denied by the filter, and a warning once.
 
@@ -680,10 +681,13 @@ _WARNED_FALLBACK: list[str] = []
 
 def _call_cgroup(limits: SandboxLimits):
     """The call's cgroup (crl/cgroups.py), limited to ``memory_mb`` and ``max_processes``; None where no writable
-    cgroup exists, with a warning the first time: the fallback is per-process limits plus ``memfd_create`` denied."""
-    from crl.cgroups import call_budget, unavailable_reason
+    cgroup exists, with a warning the first time: the fallback is per-process limits plus ``memfd_create`` denied.
+    A delegated cgroup (``tools.cgroup_parent``) that cannot be used is an error, not a fallback."""
+    from crl.cgroups import call_budget, delegated, unavailable_reason
 
     budget = call_budget()
+    if budget is None and delegated() is not None:
+        raise SandboxUnavailable(f"tools.cgroup_parent {delegated()}: {unavailable_reason()}")
     if budget is None:
         if not _WARNED_FALLBACK:
             _WARNED_FALLBACK.append(unavailable_reason() or "")

@@ -1127,7 +1127,7 @@ def test_no_cgroup_fallback_warns_once(bwrap, monkeypatch):
     import crl.sandbox
 
     monkeypatch.setattr(crl.cgroups, "call_budget", lambda: None)
-    monkeypatch.setattr(crl.cgroups, "_UNAVAILABLE", ["a test said so"])
+    monkeypatch.setattr(crl.cgroups, "_BUDGETS", {None: "a test said so"})
     monkeypatch.setattr(crl.sandbox, "_WARNED_FALLBACK", [])
     with pytest.warns(UserWarning, match=r"no writable cgroup here \(a test said so\).*per process"):
         assert Sandbox().run("print('fine')").stdout == "fine\n"
