@@ -238,6 +238,9 @@ def build_chat_suite(cfg, tokenizer=None):
     e = cfg.env
     key = (e.factory, repr(sorted(e.kwargs.items())), e.seed, repr(cfg.tools), id(tokenizer) if tokenizer is not None else None)
     if key in _CHAT_SUITES:
+        from crl.cgroups import use_delegated
+
+        use_delegated(cfg.tools.cgroup_parent)  # this config's, also when another config's suite was built since
         return _CHAT_SUITES[key]
     check_tool_sandbox(cfg)
     try:
@@ -260,21 +263,25 @@ def build_chat_suite(cfg, tokenizer=None):
 
 
 def check_tool_sandbox(cfg) -> None:
-    """``tools.sandbox: bwrap`` must work on this machine (else a load-time error with the fix); ``none`` warns on every start."""
+    """The tool sandbox must work on this machine before the first tool call (else a build-time error with the fix):
+    in every mode its syscall filter (libseccomp), in ``bwrap`` bubblewrap too, and the delegated cgroup
+    (``tools.cgroup_parent``) where one is set; ``none`` also warns on every start."""
     import warnings
 
+    from crl.cgroups import call_budget, unavailable_reason, use_delegated
     from crl.config import ConfigValidationError
-
-    if cfg.tools.sandbox == "none":
-        warnings.warn("tools.sandbox=none: model-written code runs UNSANDBOXED on this machine (files, network, processes); "
-                      "use tools.sandbox=bwrap (apt-get install bubblewrap)", stacklevel=2)
-        return
     from crl.sandbox import SandboxUnavailable, check_sandbox
 
     try:
         check_sandbox(cfg.tools.sandbox)
     except SandboxUnavailable as err:
         raise ConfigValidationError(f"tools.sandbox: {err}") from None
+    if cfg.tools.sandbox == "none":
+        warnings.warn("tools.sandbox=none: model-written code runs UNSANDBOXED on this machine (files, network, processes); "
+                      "use tools.sandbox=bwrap (apt-get install bubblewrap)", stacklevel=2)
+    use_delegated(cfg.tools.cgroup_parent)  # this process's calls' cgroups: below it, or below the cgroup crl runs in
+    if cfg.tools.cgroup_parent is not None and call_budget() is None:
+        raise ConfigValidationError(f"tools.cgroup_parent: {unavailable_reason()}")
 
 
 def chat_compaction_texts(cfg) -> dict:

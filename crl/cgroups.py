@@ -20,6 +20,15 @@ pid namespace inode, pid and start time, :class:`Owner`), and the calls' cgroups
 * cgroup v1: one cgroup of crl's per hierarchy (memory, and pids where mounted), the calls' inside it:
   ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (no swap beyond it), ``pids.max``.
 
+**Delegation** (cgroup v2, ``tools.cgroup_parent``; docker's ``--cgroup-parent``, systemd's ``Delegate=yes``): a
+cgroup ``P`` the operator gave crl to write (:func:`use_delegated`). crl's cgroup is then ``P/crl-sandbox-...``,
+and crl may write ``P``'s own ``cgroup.subtree_control`` to hand ``memory`` and ``pids`` down — which the kernel
+allows only while ``P`` holds no process. So ``P`` holds none (crl then runs elsewhere, e.g. in a leaf below it, and
+moves nothing but the calls), or only crl's own process (a one-process service under ``Delegate=yes``: crl moves
+itself into the leaf ``main`` first, as above); any other process in ``P`` and crl refuses, naming them and writing
+nothing. Still nothing outside ``P`` is written, and in ``P`` only its ``cgroup.subtree_control``. Without the
+setting: the cgroup crl runs in, as above.
+
 A call's process joins before anything of the call runs: the call starts as ``sh -c 'echo 0 > .../cgroup.procs;
 exec ...'`` (:meth:`CallCgroup.wrap`), so every process of the call, forked later, is inside. A crl cgroup whose owner
 is gone (a crash, SIGKILL; judged by pid *and* start time, in crl's own pid namespace only: another namespace's
@@ -31,7 +40,6 @@ so the logic runs against a stand-in that enforces the kernel's rules (tests/tes
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import os
 import re
@@ -42,8 +50,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CallCgroup", "CgroupBudget", "CgroupFiles", "Owner", "call_budget", "find_parent", "own_budget",
-           "unavailable_reason"]
+__all__ = ["CallCgroup", "CgroupBudget", "CgroupFiles", "Owner", "call_budget", "check_delegated", "delegated",
+           "find_parent", "own_budget", "unavailable_reason", "use_delegated"]
 
 PREFIX = "crl-sandbox-"
 _OWNER = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(\d+)$")  # pid namespace inode, pid, start time (clock ticks after boot)
@@ -319,25 +327,34 @@ def _remove_dir(fs: CgroupFiles, d: Path) -> bool:
             time.sleep(0.005)
 
 
-def own_budget(version: int, runs_in: dict, fs: CgroupFiles = KERNEL) -> CgroupBudget:
+def own_budget(version: int, runs_in: dict, fs: CgroupFiles = KERNEL, *, delegated: bool = False) -> CgroupBudget:
     """Set up crl's own cgroup under ``runs_in`` (controller -> the cgroup crl runs in, from :func:`find_parent`;
-    any root: a stand-in's tree in tests) as the module doc says: stale crl cgroups removed, crl's cgroup made
-    (v2: this process moved into its leaf ``main``, the controllers enabled on it), a probe call cgroup joined and
-    removed. Raises OSError naming why not, having written nothing outside what it made."""
+    with ``delegated``, v2 only: the cgroup given to crl, :func:`use_delegated`; any root: a stand-in's tree in
+    tests) as the module doc says: stale crl cgroups removed, crl's cgroup made (v2: this process moved into its
+    leaf ``main`` where it runs in ``runs_in``, the controllers enabled on it), a probe call cgroup joined and
+    removed. Raises OSError naming why not, having written nothing outside what it made (and, delegated, the given
+    cgroup's ``cgroup.subtree_control``)."""
     remove_stale(runs_in, fs)
     owner = Owner.this_process()
     if version == 2:
         here = runs_in["memory"]
         handed = fs.read(here / "cgroup.subtree_control").split()
-        if "memory" not in handed:
+        inside = True  # crl's process runs in ``here`` (always, undelegated: it is the cgroup crl runs in)
+        if delegated:
+            handed, inside = _check_delegated_tree(here, handed, owner, fs)
+        elif "memory" not in handed:
             raise OSError(
                 f"cgroup v2: {here} does not hand the memory controller to its children (its cgroup.subtree_control: "
                 f"{' '.join(handed) or 'empty'}), and crl writes only cgroups it created; the kernel lets a non-root "
                 "cgroup that holds processes hand none, so this works where crl runs in the root cgroup")
         own = here / owner.name
         fs.mkdir(own)
-        fs.mkdir(own / LEAF)
-        fs.write(own / LEAF / "cgroup.procs", str(owner.pid))  # only this process; its threads move with it
+        if inside:
+            fs.mkdir(own / LEAF)
+            fs.write(own / LEAF / "cgroup.procs", str(owner.pid))  # only this process; its threads move with it
+        missing = [c for c in handed if c not in fs.read(here / "cgroup.subtree_control").split()]
+        if missing:  # delegated: the given cgroup, which holds no process now
+            fs.write(here / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
         fs.write(own / "cgroup.subtree_control", " ".join(f"+{c}" for c in ("memory", "pids") if c in handed))
         parents = {"memory": own, "pids": own}
     else:
@@ -352,29 +369,96 @@ def own_budget(version: int, runs_in: dict, fs: CgroupFiles = KERNEL) -> CgroupB
     try:
         rc = fs.join_probe(probe)
         if rc != 0:
-            raise OSError(f"a process cannot join a cgroup made under {sorted(map(str, set(parents.values())))} (exit {rc})")
+            hint = (f" (cgroup v2 moves a process only within a subtree whose cgroup.procs the mover may write: run crl "
+                    f"in a leaf below {runs_in['memory']})") if delegated else ""
+            raise OSError(f"a process cannot join a cgroup made under {sorted(map(str, set(parents.values())))} (exit {rc}){hint}")
     finally:
         probe.remove()
     return budget
 
 
-_UNAVAILABLE: list[str] = []
+def _check_delegated_tree(here: Path, handed: list, owner: Owner, fs: CgroupFiles) -> tuple[list, bool]:
+    """The controllers crl will hand down from the delegated cgroup ``here`` and whether crl's process runs in it;
+    OSError, before anything is written, where the kernel's rules make the delegation unusable."""
+    offered = fs.read(here / "cgroup.controllers").split()
+    if "memory" not in offered:
+        raise OSError(
+            f"cgroup v2: the delegated cgroup {here} (tools.cgroup_parent) has no memory controller (its "
+            f"cgroup.controllers: {' '.join(offered) or 'empty'}): delegate memory and pids to it (systemd: "
+            f"Delegate=memory pids; else enable them in {here.parent}/cgroup.subtree_control)")
+    procs = fs.read(here / "cgroup.procs").split()
+    others = [p for p in procs if p != str(owner.pid)]  # "0": a process of another pid namespace, not ours either
+    if others and "memory" not in handed:
+        raise OSError(
+            f"cgroup v2: the delegated cgroup {here} (tools.cgroup_parent) holds processes other than crl's "
+            f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}): the kernel lets a cgroup that holds "
+            "processes hand no controller down, and crl moves no process but its own. Give crl a cgroup that holds "
+            f"none (e.g. mkdir {here}/crl, set tools.cgroup_parent to it, and start crl anywhere below {here}), or move "
+            "those processes into a leaf below it")
+    return [c for c in ("memory", "pids") if c in offered], str(owner.pid) in procs
 
 
-@functools.lru_cache(maxsize=None)
+def check_delegated(parent: str | os.PathLike) -> str | None:
+    """Why ``parent`` cannot be a delegated cgroup for crl (``tools.cgroup_parent``), None if it can be, as far as
+    a look tells (the kernel's rules are met when the budget is set up, :func:`own_budget`): an absolute, existing
+    cgroup v2 directory (``cgroup.controllers`` and ``cgroup.subtree_control`` in it) crl may create cgroups in."""
+    p = Path(parent)
+    if not p.is_absolute():
+        return f"{parent!r} is not an absolute path"
+    if not p.is_dir():
+        return f"{parent} is not an existing directory"
+    if not ((p / "cgroup.controllers").is_file() and (p / "cgroup.subtree_control").is_file()):
+        return (f"{parent} is not a cgroup v2 directory (no cgroup.controllers / cgroup.subtree_control in it): give a "
+                "cgroup under a cgroup2 mount (e.g. /sys/fs/cgroup/...) delegated to crl")
+    if not (_writable(p) and _writable(p / "cgroup.subtree_control")):
+        return (f"{parent} is not writable by this user (uid {os.geteuid()}): delegate it (systemd: Delegate=yes; "
+                "or chown the directory and its cgroup.procs, cgroup.subtree_control, cgroup.threads)")
+    return None
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
+_DELEGATED: list[Path] = []  # the cgroup given to this process (tools.cgroup_parent); empty: the one it runs in
+_BUDGETS: dict = {}  # parent (None: the one crl runs in) -> CgroupBudget or the reason there is none
+
+
+def use_delegated(parent: str | os.PathLike | None) -> None:
+    """Make this process's calls' cgroups below ``parent``, a cgroup v2 delegated to crl (``tools.cgroup_parent``),
+    or (None) below the cgroup it runs in. Set by the trainer before its first tool call (crl.builders)."""
+    _DELEGATED[:] = [] if parent is None else [Path(parent)]
+
+
+def delegated() -> Path | None:
+    """The delegated cgroup :func:`use_delegated` gave this process, or None."""
+    return _DELEGATED[0] if _DELEGATED else None
+
+
 def call_budget() -> CgroupBudget | None:
-    """This process's :class:`CgroupBudget` (:func:`own_budget` on the cgroup it runs in), set up once, or None
-    when no usable cgroup is available here (:func:`unavailable_reason` says why)."""
-    try:
-        found = find_parent(KERNEL.read(Path("/proc/self/cgroup")), KERNEL.read(Path("/proc/self/mountinfo")))
-        if isinstance(found, str):
-            raise OSError(found)
-        return own_budget(*found)
-    except OSError as e:
-        _UNAVAILABLE[:] = [str(e)]
-        return None
+    """This process's :class:`CgroupBudget`, set up once per parent: :func:`own_budget` on the delegated cgroup
+    (:func:`use_delegated`), else on the cgroup it runs in; None when no usable cgroup is available there
+    (:func:`unavailable_reason` says why)."""
+    parent = delegated()
+    if parent not in _BUDGETS:
+        try:
+            if parent is not None:
+                problem = check_delegated(parent)
+                if problem:
+                    raise OSError(problem)
+                _BUDGETS[parent] = own_budget(2, {"memory": parent, "pids": parent}, KERNEL, delegated=True)
+            else:
+                found = find_parent(KERNEL.read(Path("/proc/self/cgroup")), KERNEL.read(Path("/proc/self/mountinfo")))
+                if isinstance(found, str):
+                    raise OSError(found)
+                _BUDGETS[parent] = own_budget(*found, KERNEL)
+        except OSError as e:
+            _BUDGETS[parent] = str(e)
+    budget = _BUDGETS[parent]
+    return budget if isinstance(budget, CgroupBudget) else None
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`call_budget` found no usable cgroup (None if it did, or has not looked)."""
-    return _UNAVAILABLE[0] if _UNAVAILABLE else None
+    reason = _BUDGETS.get(delegated())
+    return reason if isinstance(reason, str) else None

@@ -287,6 +287,9 @@ class ToolsConfig:
     # host paths (absolute, existing) tool code may read, at the same place, read-only; bwrap mode shows nothing else
     # of the host but /usr, a few /etc files and the interpreter's directories (crl.sandbox)
     sandbox_ro_paths: list = field(default_factory=list)
+    # a cgroup v2 directory delegated to crl (docker's --cgroup-parent, systemd's Delegate=yes): the calls' cgroups are
+    # made below it; null: below the cgroup crl runs in, where the kernel allows it (crl/cgroups.py)
+    cgroup_parent: Optional[str] = None
 
 
 @dataclass
@@ -535,6 +538,11 @@ def validate(cfg: Config) -> None:
     for path in cfg.tools.sandbox_ro_paths:
         _need(isinstance(path, str) and Path(path).is_absolute() and Path(path).exists(), "tools.sandbox_ro_paths",
               f"{path!r} is not an existing absolute path")
+    if cfg.tools.cgroup_parent is not None:
+        from crl.cgroups import check_delegated
+
+        problem = check_delegated(cfg.tools.cgroup_parent)
+        _need(problem is None, "tools.cgroup_parent", f"{problem}; or null to use the cgroup crl runs in")
     # Token budgets need token lengths (the run's tokenizer): crl.builders.check_budgets, when a Trainer is built.
 
 

@@ -14,14 +14,17 @@ Two modes (``SANDBOX_MODES``):
 
 Both modes install a seccomp filter built with libseccomp (:func:`seccomp_filter`) in the prelude: the syscalls of
 :data:`DENIED_SYSCALLS` (keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts, ``unshare``, ``setns``,
-kexec, modules) and ``clone`` with any ``CLONE_NEW*`` flag return ``EPERM``, ``clone3`` returns ``ENOSYS`` (glibc then
-uses ``clone``): no way into a new namespace is left to tool code, whatever bwrap version or uid runs it.
+kexec, modules, ``process_vm_writev``, ``pidfd_getfd``, ``chroot``), ``personality`` but for the default persona, and
+``clone`` with any ``CLONE_NEW*`` flag return ``EPERM``, ``clone3`` returns ``ENOSYS`` (glibc then uses ``clone``):
+no way into a new namespace is left to tool code, whatever bwrap version or uid runs it. It fails closed: no filter
+(an empty or malformed program, or a libseccomp too old to name a syscall of the list) and no code runs.
 * ``"none"``: the same limits, timeout and output cap on a plain subprocess in a temporary directory, **without any
   isolation**: the code can read and write whatever the caller can and reach the network (the caller warns).
 
-One budget per call (both modes, crl/cgroups.py): each call runs in a cgroup made for it under the one crl runs in,
-limited to ``memory_mb`` for all its processes, files and kernel memory together (the kernel's OOM killer ends the
-call at the budget: :attr:`RunResult.memory_exceeded`) and to ``max_processes`` (+2) tasks; removed after the call.
+One budget per call (both modes, crl/cgroups.py): each call runs in a cgroup made for it under the one crl runs in
+(or under the cgroup v2 delegated to it, ``tools.cgroup_parent``), limited to ``memory_mb`` for all its processes,
+files and kernel memory together (the kernel's OOM killer ends the call at the budget:
+:attr:`RunResult.memory_exceeded`) and to ``max_processes`` (+2) tasks; removed after the call.
 Where no writable cgroup exists the fallback is per-process memory only (``RLIMIT_AS`` below, so up to
 ``memory_mb × max_processes`` per call), with ``memfd_create`` denied by the filter, and a warning once.
 
@@ -194,13 +197,16 @@ if drop:  # host root: become nobody for real (RLIMIT_NPROC does not apply to ro
             pass
     # else: RLIMIT_NPROC counts every process of the host's uid nobody: still a bound, shared between runs
 libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary can give privileges back
-if seccomp:  # the syscall filter (crl.sandbox.seccomp_filter), after the user namespace above needed unshare
-    prog = bytes.fromhex(seccomp)
-    buf = ctypes.create_string_buffer(prog, len(prog))
-    class Fprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    if libc.prctl(22, 2, ctypes.byref(Fprog(len(prog) // 8, ctypes.addressof(buf))), 0, 0) != 0:  # SECCOMP_MODE_FILTER
-        sys.exit(f"sandbox: the kernel refused the seccomp filter (errno {ctypes.get_errno()})")
+# The syscall filter (crl.sandbox.seccomp_filter), after the user namespace above needed unshare. Fail closed: no
+# program, or one the kernel refuses, and the code does not run.
+prog = bytes.fromhex(seccomp)
+if not prog or len(prog) % 8:
+    sys.exit(f"sandbox: no valid seccomp filter ({len(prog)} bytes): refusing to run the code without it")
+buf = ctypes.create_string_buffer(prog, len(prog))
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+if libc.prctl(22, 2, ctypes.byref(Fprog(len(prog) // 8, ctypes.addressof(buf))), 0, 0) != 0:  # SECCOMP_MODE_FILTER
+    sys.exit(f"sandbox: the kernel refused the seccomp filter (errno {ctypes.get_errno()})")
 for res, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_CPU, cpu, cpu + 1),
                         (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NPROC, nproc, nproc),
                         (resource.RLIMIT_CORE, 0, 0)):
@@ -211,13 +217,24 @@ os.execv(python, [python, "-I", "-B", "-X", "utf8", code])
 
 # Syscalls tool code never needs and attack code wants (issue 28; flatpak's and nsjail's lists): the kernel keyring
 # (state shared between calls of one uid), io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts and the new
-# mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot. Denied with EPERM, never a kill.
+# mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot; and (issue 48, defence in depth) another
+# process's memory or files by pid (process_vm_writev, pidfd_getfd: ptrace's reach without ptrace) and chroot.
+# Denied with EPERM, never a kill. libseccomp must know every name (else SandboxUnavailable naming its version).
 DENIED_SYSCALLS = (
     "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
     "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen",
     "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load", "kexec_file_load", "init_module",
-    "finit_module", "delete_module", "swapon", "swapoff", "reboot",
+    "finit_module", "delete_module", "swapon", "swapoff", "reboot", "process_vm_writev", "pidfd_getfd", "chroot",
 )
+# The newest calls of the mount API (Linux 5.12 and 6.15), newer than some libseccomp releases: denied where the
+# installed libseccomp knows the name (a name it does not know cannot go into its filter), else left to the kernel's
+# own check, CAP_SYS_ADMIN over the mount namespace, which tool code never holds (docs/torchrl.md says why).
+DENIED_WHERE_KNOWN = ("mount_setattr", "open_tree_attr")
+# personality: the default persona (PER_LINUX, 0) and the query (0xffffffff) only. Any other gets EPERM: its flags
+# switch off ASLR for what the code execs (ADDR_NO_RANDOMIZE), make data executable (READ_IMPLIES_EXEC) or map page 0
+# (MMAP_PAGE_ZERO), none of which tool code needs.
+PERSONALITY_ALLOWED = (0, 0xFFFFFFFF)
+_LIBSECCOMP_FIX = "install libseccomp 2.5 or newer (`apt-get install libseccomp2`: Debian 11, Ubuntu 20.04 and later)"
 # memfd_create is denied only where no cgroup bounds the call (FALLBACK_DENIED): an anonymous file is memory no
 # rlimit counts, so without the call's cgroup 128 of them held 2 GB (issue 28); with it they are charged to the call
 FALLBACK_DENIED = ("memfd_create",)
@@ -239,9 +256,12 @@ def seccomp_filter(machine: str | None = None, fallback: bool = False) -> bytes:
     """The seccomp program (classic BPF, ``struct sock_filter[]``) the prelude installs with
     ``prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER)``, built by libseccomp for ``machine`` (default: this one's):
     :data:`DENIED_SYSCALLS` (with ``fallback``, when no cgroup bounds the call's memory, also
-    :data:`FALLBACK_DENIED`) and ``clone`` with any of :data:`CLONE_NAMESPACE_FLAGS` get ``EPERM``, ``clone3``
-    gets ``ENOSYS`` (:data:`CLONE3_ERRNO`); another architecture (e.g. i386 through ``int 0x80``) and, on x86_64,
-    the x32 ABI get ``EPERM`` for every call; everything else is allowed.
+    :data:`FALLBACK_DENIED`), those of :data:`DENIED_WHERE_KNOWN` this libseccomp knows, ``clone`` with any of
+    :data:`CLONE_NAMESPACE_FLAGS` and ``personality`` with any persona but :data:`PERSONALITY_ALLOWED` get
+    ``EPERM``, ``clone3`` gets ``ENOSYS`` (:data:`CLONE3_ERRNO`); another architecture (e.g. i386 through
+    ``int 0x80``) and, on x86_64, the x32 ABI get ``EPERM`` for every call; everything else is allowed. A
+    libseccomp that does not know a name of the rest (older than the syscall) raises :class:`SandboxUnavailable`
+    naming its version: the filter is built whole or not at all.
 
     libseccomp (what nsjail, flatpak, systemd and the container runtimes build their filters with) resolves the
     names per architecture, adds the architecture and x32 checks, and compiles argument rules. The binding is
@@ -261,22 +281,56 @@ def seccomp_filter(machine: str | None = None, fallback: bool = False) -> bytes:
         raise SandboxUnavailable(
             f"the sandbox's syscall filter needs libseccomp through pyseccomp ({e}): `pip install pyseccomp` "
             "(make setup does) and `apt-get install libseccomp2`") from None
-    eperm = sc.ERRNO(errno.EPERM)
-    f = sc.SyscallFilter(sc.ALLOW)
-    f.set_attr(sc.Attr.ACT_BADARCH, eperm)
     arch = getattr(sc.Arch, SECCOMP_MACHINES[machine])
-    if arch != sc.system_arch():
-        f.add_arch(arch)
-        f.remove_arch(sc.Arch.NATIVE)
-    for name in DENIED_SYSCALLS + (FALLBACK_DENIED if fallback else ()):
-        f.add_rule(eperm, name)
-    for flag in CLONE_NAMESPACE_FLAGS.values():
-        f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
-    f.add_rule(sc.ERRNO(CLONE3_ERRNO), "clone3")
-    with tempfile.TemporaryFile() as out:
-        f.export_bpf(out)
-        out.seek(0)
-        return out.read()
+    denied = DENIED_SYSCALLS + (FALLBACK_DENIED if fallback else ())
+    unknown = [n for n in (*denied, "clone", "clone3", "personality") if sc.resolve_syscall(arch, n) < 0]
+    if unknown:  # libseccomp's add_rule would fail with a bare EINVAL
+        raise SandboxUnavailable(
+            f"libseccomp {libseccomp_version()} does not know the syscall(s) {', '.join(unknown)} on {machine}, which "
+            f"the sandbox's filter denies: {_LIBSECCOMP_FIX}")
+    denied += tuple(n for n in DENIED_WHERE_KNOWN if sc.resolve_syscall(arch, n) >= 0)
+    eperm = sc.ERRNO(errno.EPERM)
+    try:
+        f = sc.SyscallFilter(sc.ALLOW)
+        f.set_attr(sc.Attr.ACT_BADARCH, eperm)
+        if arch != sc.system_arch():
+            f.add_arch(arch)
+            f.remove_arch(sc.Arch.NATIVE)
+        for name in denied:
+            f.add_rule(eperm, name)
+        for flag in CLONE_NAMESPACE_FLAGS.values():
+            f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+        f.add_rule(sc.ERRNO(CLONE3_ERRNO), "clone3")
+        # personality's argument is an unsigned int: its low 32 bits. Every persona but 0 and 0xffffffff has a set bit
+        # whose next bit (cyclically) is clear, so one masked rule per bit pair denies exactly the others.
+        for bit in range(32):
+            pair = (1 << bit) | (1 << (bit + 1) % 32)
+            f.add_rule(eperm, "personality", sc.Arg(0, sc.MASKED_EQ, pair, 1 << bit))
+        with tempfile.TemporaryFile() as out:
+            f.export_bpf(out)
+            out.seek(0)
+            return out.read()
+    except OSError as e:
+        raise SandboxUnavailable(
+            f"libseccomp {libseccomp_version()} cannot build the sandbox's filter for {machine} ({e}): {_LIBSECCOMP_FIX}"
+        ) from None
+
+
+def libseccomp_version() -> str:
+    """The version of the libseccomp that pyseccomp loads (``seccomp_version()``, libseccomp >= 2.3), for messages."""
+    import ctypes
+    import ctypes.util
+
+    class Version(ctypes.Structure):
+        _fields_ = [("major", ctypes.c_uint), ("minor", ctypes.c_uint), ("micro", ctypes.c_uint)]
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
+        lib.seccomp_version.restype = ctypes.POINTER(Version)
+        v = lib.seccomp_version().contents
+    except (OSError, AttributeError):  # AttributeError: no seccomp_version, older than 2.3
+        return "(version unknown: older than 2.3?)"
+    return f"{v.major}.{v.minor}.{v.micro}"
 
 
 def _minimal_env(home: str, tmp: str) -> dict[str, str]:
@@ -434,8 +488,11 @@ class Sandbox:
         lim = self.limits
         nums = (int(drop), SANDBOX_UID, SANDBOX_GID, lim.memory_mb << 20, lim.cpu_s, lim.file_size_mb << 20,
                 lim.max_processes, ppid)
-        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path,
-                seccomp_filter(fallback=fallback).hex()]
+        prog = seccomp_filter(fallback=fallback)
+        if not prog or len(prog) % 8:  # fail closed: no sandbox without its filter (the prelude refuses too)
+            raise SandboxUnavailable(f"the sandbox's seccomp filter is empty or malformed ({len(prog)} bytes): "
+                                     "refusing to run tool code without it")
+        return [self.python, "-I", "-S", "-B", "-c", _PRELUDE, *map(str, nums), self.python, code_path, prog.hex()]
 
     def _plain_argv(self, code: str, run_dir: str, fallback: bool):
         scratch, tmp = os.path.join(run_dir, "work"), os.path.join(run_dir, "tmp")
@@ -624,10 +681,13 @@ _WARNED_FALLBACK: list[str] = []
 
 def _call_cgroup(limits: SandboxLimits):
     """The call's cgroup (crl/cgroups.py), limited to ``memory_mb`` and ``max_processes``; None where no writable
-    cgroup exists, with a warning the first time: the fallback is per-process limits plus ``memfd_create`` denied."""
-    from crl.cgroups import call_budget, unavailable_reason
+    cgroup exists, with a warning the first time: the fallback is per-process limits plus ``memfd_create`` denied.
+    A delegated cgroup (``tools.cgroup_parent``) that cannot be used is an error, not a fallback."""
+    from crl.cgroups import call_budget, delegated, unavailable_reason
 
     budget = call_budget()
+    if budget is None and delegated() is not None:
+        raise SandboxUnavailable(f"tools.cgroup_parent {delegated()}: {unavailable_reason()}")
     if budget is None:
         if not _WARNED_FALLBACK:
             _WARNED_FALLBACK.append(unavailable_reason() or "")
@@ -690,7 +750,8 @@ def check_sandbox(mode: str, *, bwrap: str | None = None, python: str = sys.exec
         raise ValueError(f"unknown sandbox mode {mode!r}: use one of {SANDBOX_MODES} (tools.sandbox)")
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise SandboxUnavailable(f"the sandbox's python {python!r} is not an executable file")
-    seccomp_filter()  # both modes: libseccomp is there and knows this machine (else SandboxUnavailable, with the fix)
+    for fallback in (False, True):  # both modes: libseccomp is there and knows this machine and every name
+        seccomp_filter(fallback=fallback)
     if mode == "none":
         return
     path = _resolve_bwrap(bwrap)

@@ -61,9 +61,35 @@ def test_source_hash_follows_every_source_byte_and_name(tmp_path):
     assert source_hash(pkg) != h
 
 
-def test_crl_source_hash_is_the_code_this_process_loaded():
-    """Computed once per process: files edited on disk while a run goes on do not change the key of what it computes."""
+_HASH_TWICE = """
+import crl.provenance as p
+first = p.crl_source_hash()
+source = (p.PACKAGE / "sandbox.py").read_bytes()
+(p.PACKAGE / "sandbox.py").write_bytes(source.replace(b"sandbox", b"sandboX", 1))  # one byte, in its docstring
+print(p.PACKAGE, first, p.crl_source_hash(), p.source_hash(p.PACKAGE))
+"""
+
+
+def test_crl_source_hash_is_the_code_this_process_loaded(tmp_path):
+    """crl_source_hash is the hash of the crl package the process imported, of its bytes: a copy of the package
+    whose one source file differs in one byte (same size) gets another hash; and it is computed once per process,
+    so a file edited on disk while a run goes on does not change the key of what the run computes (the next process
+    sees it)."""
+    import sys
+
     from crl.provenance import PACKAGE, crl_source_hash
 
-    assert crl_source_hash() == crl_source_hash() and len(crl_source_hash()) == 64
-    assert crl_source_hash.cache_info().currsize == 1 and PACKAGE.name == "crl"
+    copy = tmp_path / "crl"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def run() -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", _HASH_TWICE], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    package, first, again, on_disk = run()
+    assert package == str(copy) and first == source_hash(PACKAGE) == crl_source_hash()  # the copy holds the same bytes
+    assert again == first != on_disk  # edited while running: the key stays what the process loaded
+    package, second, _, _ = run()  # the next process: the edited bytes
+    assert package == str(copy) and second == on_disk != first

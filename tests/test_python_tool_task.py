@@ -131,6 +131,23 @@ def test_the_tool_task_refuses_to_start_without_its_sandbox(tmp_path, monkeypatc
         check_tool_sandbox(cfg)
 
 
+def test_the_tool_task_checks_the_syscall_filter_in_every_mode(tmp_path, monkeypatch):
+    """tools.sandbox: none runs the same seccomp filter: a missing pyseccomp/libseccomp stops the trainer build
+    under tools.sandbox with the fix, as in bwrap mode, instead of at the first tool call mid-run (issue 48)."""
+    from crl.builders import check_tool_sandbox
+    from crl.config import ConfigValidationError, load_config
+    from crl.sandbox import seccomp_filter
+
+    cfg = load_config(ROOT / "configs/python_tool.yaml", [f"run_dir={tmp_path}", "tools.sandbox=none"])
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import pyseccomp raises ImportError
+    seccomp_filter.cache_clear()
+    try:
+        with pytest.raises(ConfigValidationError, match=r"tools\.sandbox: .*libseccomp through pyseccomp.*pip install pyseccomp"):
+            check_tool_sandbox(cfg)
+    finally:
+        seccomp_filter.cache_clear()
+
+
 def run_and_audit(cmd, run_dir, timeout=900):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]

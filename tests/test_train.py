@@ -149,6 +149,8 @@ def test_paper_config_loads():
         ("model.backend=vllm", "model.backend"),  # a preset: vLLM serves a checkpoint directory
         ("tools.sandbox_ro_paths=[/no/such/dir]", "tools.sandbox_ro_paths"),
         ("tools.sandbox_ro_paths=[relative]", "tools.sandbox_ro_paths"),
+        ("tools.cgroup_parent=/no/such/cgroup", "tools.cgroup_parent"),
+        ("tools.cgroup_parent=/tmp", "tools.cgroup_parent"),  # a directory, not a cgroup v2 one
         ("algo.target_kl=-1", "algo.target_kl"),
     ],
 )
