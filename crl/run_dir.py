@@ -8,7 +8,7 @@ Rules (the trainer follows them; :mod:`crl.evidence` documents the layout):
   visible checkpoint of an evidence iteration has its evidence; a run killed in between redoes that iteration.
 * **Checkpoints verify.** ``meta.json`` (written last) carries a SHA-256 manifest of every other file;
   :func:`newest_intact_checkpoint` skips, with the reason, any checkpoint whose files are missing, truncated or
-  altered, and resumes from the newest that verifies. With several processes, rank 0 chooses it and each rank
+  altered (or whose manifest is malformed), and resumes from the newest that verifies. With several processes, rank 0 chooses it and each rank
   hashes only the files it reads (:meth:`crl.training.checkpoints.RunCheckpoints.resume_checkpoint`): ``verify_checkpoint``
   with ``hashed`` checks the others' presence and sizes only.
 * **Pinned by evidence.** Checkpoints that evidence points to are never rotated away; the pinned set is read
@@ -100,10 +100,13 @@ def verify_checkpoint(path: str | os.PathLike, hashed=None) -> str | None:
         return "meta.json is missing"
     except (OSError, ValueError) as err:
         return f"meta.json is unreadable ({type(err).__name__})"
-    manifest = meta.get("files")
+    manifest = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(manifest, dict) or not manifest:
         return "meta.json has no file manifest (written by an older crl?)"
     for rel, want in manifest.items():
+        if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("sha256"), str)) \
+                or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"meta.json's manifest entry {rel!r} is malformed ({want!r}; expected a path inside the checkpoint: {{'size': int, 'sha256': str}})"
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"

@@ -52,6 +52,11 @@ OPTIMIZER_DIR = "optimizer"
 WEIGHTS_FILE = "model.safetensors"  # transformers' single-file name
 
 
+def _one_line(err: BaseException) -> str:
+    """``err`` as one line (its type and message): what every rank is told when one of them fails."""
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
 def optimizer_file(name: str, rank: int | None) -> str:
     """``optimizer/NAME.pt`` (one state for every rank) or ``optimizer/NAME_rankR.pt`` (rank R's ZeRO partition)."""
     return f"{OPTIMIZER_DIR}/{name}.pt" if rank is None else f"{OPTIMIZER_DIR}/{name}_rank{rank}.pt"
@@ -172,30 +177,47 @@ class RunCheckpoints:
         files rank 0 reads matching their SHA-256) and broadcasts its name; each rank then hashes only the files it
         reads (:func:`read_by_rank`: the shared ones and its own optimizer partition) in its own view of run_dir. If
         a rank cannot find or verify what rank 0 chose (a stale listing of a shared filesystem, a file altered since),
-        every rank stops with the same one line (:class:`~crl.run_dir.RunDirError`) instead of resuming apart."""
+        every rank stops with the same one line (:class:`~crl.run_dir.RunDirError`) instead of resuming apart. So does
+        any other failure, on rank 0 while it chooses (an unreadable listing, a ``meta.json`` without the config) or on
+        a rank checking the choice: no rank is left waiting in a collective for one that raised."""
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             return None, None
-        error = name = checkpoint = None
+        error = name = checkpoint = meta = None
         if self.is_main:
-            try:  # whatever happens here, the other ranks must hear of it (they wait in the broadcast)
+            try:  # whatever fails here (an unreadable listing, a malformed meta.json), the other ranks must hear of it:
+                # they wait in the broadcast below
                 if resume in ("auto", "force"):
                     checkpoint = newest_intact_checkpoint(self.run_dir, report=print, hashed=read_by_rank(0))
                 else:
                     checkpoint = Path(resume)
                     reason = verify_checkpoint(checkpoint, read_by_rank(0))
                     if reason is not None:
-                        error, checkpoint = f"checkpoint.resume={resume} cannot be used: {reason}", None
-            except OSError as err:
-                error, checkpoint = f"rank 0 cannot read the checkpoints of {self.run_dir}: {err}", None
+                        raise RunDirError(f"checkpoint.resume={resume} cannot be used: {reason}")
+                if checkpoint is not None:
+                    meta = json.loads((checkpoint / "meta.json").read_text())
+                    self._refuse_another_config(checkpoint, meta)
+            except RunDirError as err:
+                error, checkpoint = str(err), None
+            except Exception as err:
+                error = (f"rank 0 cannot choose the checkpoint to resume from in {self.run_dir}: {_one_line(err)}; every rank stops: "
+                         + ("relaunch once rank 0 can read its checkpoints/" if checkpoint is None else
+                            f"repair or remove {os.path.relpath(checkpoint, self.run_dir)}, then relaunch"))
+                checkpoint = None
             name = None if checkpoint is None else os.path.relpath(checkpoint, self.run_dir)
         error, name = self._from_rank0([error, name])
         if error is not None:
             raise RunDirError(error)
         if name is None:
             return None, None
-        checkpoint = checkpoint if self.is_main else self.run_dir / name
-        mine = None if self.is_main else verify_checkpoint(checkpoint, read_by_rank(self.rank))
+        mine = None
+        if not self.is_main:
+            checkpoint = self.run_dir / name
+            try:  # a failure here too reaches every rank, through the gather below
+                mine = verify_checkpoint(checkpoint, read_by_rank(self.rank))
+                meta = json.loads((checkpoint / "meta.json").read_text()) if mine is None else None
+            except Exception as err:
+                mine = _one_line(err)
         failed = [(r, why, where) for r, (why, where) in enumerate(self._from_every_rank((mine, str(self.run_dir)))) if why is not None]
         if failed:  # the same line on every rank
             r, why, where = failed[0]
@@ -205,14 +227,17 @@ class RunCheckpoints:
                 + "; every process must see the same run_dir (a shared filesystem's stale listing? a file altered since?): "
                 "relaunch once it does, or remove that checkpoint to resume from the one before"
             )
-        meta = json.loads((checkpoint / "meta.json").read_text())
+        return checkpoint, meta
+
+    def _refuse_another_config(self, checkpoint: Path, meta: dict) -> None:
+        """Unless ``checkpoint.resume=force``: refuse a checkpoint whose config differs from this run's (resume-safe keys
+        aside, :data:`crl.run_dir.RESUME_SAFE_KEYS`)."""
         diff = config_diff(meta["config"], to_dict(self.cfg), defaults=to_dict(Config()))
         if diff and self.cfg.checkpoint.resume != "force":
             raise RunDirError(
                 f"run_dir {self.run_dir} holds a run with another config ({checkpoint.name}); differing keys: "
                 + "; ".join(diff) + ". Use another run_dir, or checkpoint.resume=force to continue with the new settings"
             )
-        return checkpoint, meta
 
     def _from_rank0(self, obj: list) -> list:
         """``obj`` as rank 0 has it, on every rank (a broadcast over the default process group)."""
