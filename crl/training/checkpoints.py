@@ -9,9 +9,17 @@ Layout of ``RUN_DIR/checkpoints/iter_NNNNNN/`` (built under a temporary name, re
     policy/                  the policy as a standard transformers checkpoint: config.json, generation_config.json,
                              model.safetensors, the tokenizer files (its chat template included when it has one).
                              ``AutoModelForCausalLM.from_pretrained``, vLLM and ``model.preset=...`` load it as is.
-    frozen_policy/           frozen-summary runs only: the frozen summariser, in the same format
+                             With LoRA (``model.lora``): the merged weights, under the base model's names.
+    policy_adapter/          LoRA runs only: the adapter in peft's format (adapter_config.json,
+                             adapter_model.safetensors; ``PeftModel.from_pretrained(base, dir)`` loads it), the frozen
+                             summariser's in ``policy_adapter/frozen/``; what a resume restores onto ``model.preset``
+    frozen_policy/           frozen-summary runs without LoRA only: the frozen summariser, in the same format as policy/
     critic.safetensors       the critic (:class:`crl.modules.models.ValueModel`: ``backbone.*`` + ``value_head.*``; its
-                             architecture is ``policy/config.json``; only ``value_head.*`` when it shares the backbone)
+                             architecture is ``policy/config.json``; only ``value_head.*`` when it shares the backbone;
+                             with LoRA, merged: what the audit loads)
+    critic_trained.safetensors  LoRA with a critic of its own (not ``model.share_critic_backbone``) only: the critic's
+                             trained tensors (its adapters and value head, :func:`crl.modules.lora.trainable_state_dict`):
+                             what a resume restores onto the base weights
     optimizer/               the optimizer state: ``actor.pt`` / ``critic.pt`` (``torch.optim`` state dicts, the same on
                              every rank: one process or DDP) or ``actor_rank{R}.pt`` / ``critic_rank{R}.pt`` (DeepSpeed:
                              rank R's ZeRO partition, its fp32 master weights included)
