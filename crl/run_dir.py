@@ -29,7 +29,7 @@ from crl.io import sha256_file
 
 __all__ = [
     "RunDirError", "RunDirLock", "file_manifest", "verify_checkpoint", "newest_intact_checkpoint",
-    "pinned_checkpoints", "config_diff", "RESUME_SAFE_KEYS",
+    "pinned_checkpoints", "config_diff", "flatten", "RESUME_SAFE_KEYS",
 ]
 
 # Keys that may change between a run and its resumption without changing what it computes.
@@ -140,11 +140,13 @@ def pinned_checkpoints(run_dir: str | os.PathLike) -> set[Path]:
     return pinned
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves under dotted keys (``{"algo": {"gamma": 1.0}}`` -> ``{"algo.gamma": 1.0}``): a config as
+    its overrides name it."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -156,7 +158,7 @@ def config_diff(stored: dict, requested: dict, ignore: tuple[str, ...] = RESUME_
     ``defaults``: the current schema's defaults; a key the stored config lacks (added to crl after the run
     started) counts as its default, so upgrading crl does not by itself block a resume.
     """
-    a, b = {**_flatten(defaults or {}), **_flatten(stored)}, _flatten(requested)
+    a, b = {**flatten(defaults or {}), **flatten(stored)}, flatten(requested)
     lines = []
     for key in sorted(set(a) | set(b)):
         if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):
