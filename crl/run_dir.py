@@ -8,7 +8,7 @@ Rules (the trainer follows them; :mod:`crl.evidence` documents the layout):
   visible checkpoint of an evidence iteration has its evidence; a run killed in between redoes that iteration.
 * **Checkpoints verify.** ``meta.json`` (written last) carries a SHA-256 manifest of every other file;
   :func:`newest_intact_checkpoint` skips, with the reason, any checkpoint whose files are missing, truncated or
-  altered, and resumes from the newest that verifies. With several processes, rank 0 chooses it and each rank
+  altered (or whose manifest is malformed), and resumes from the newest that verifies. With several processes, rank 0 chooses it and each rank
   hashes only the files it reads (:meth:`crl.training.checkpoints.RunCheckpoints.resume_checkpoint`): ``verify_checkpoint``
   with ``hashed`` checks the others' presence and sizes only.
 * **Pinned by evidence.** Checkpoints that evidence points to are never rotated away; the pinned set is read
@@ -29,7 +29,7 @@ from crl.io import sha256_file
 
 __all__ = [
     "RunDirError", "RunDirLock", "file_manifest", "verify_checkpoint", "newest_intact_checkpoint",
-    "pinned_checkpoints", "config_diff", "RESUME_SAFE_KEYS",
+    "pinned_checkpoints", "config_diff", "flatten", "RESUME_SAFE_KEYS",
 ]
 
 # Keys that may change between a run and its resumption without changing what it computes.
@@ -100,10 +100,13 @@ def verify_checkpoint(path: str | os.PathLike, hashed=None) -> str | None:
         return "meta.json is missing"
     except (OSError, ValueError) as err:
         return f"meta.json is unreadable ({type(err).__name__})"
-    manifest = meta.get("files")
+    manifest = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(manifest, dict) or not manifest:
         return "meta.json has no file manifest (written by an older crl?)"
     for rel, want in manifest.items():
+        if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("sha256"), str)) \
+                or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"meta.json's manifest entry {rel!r} is malformed ({want!r}; expected a path inside the checkpoint: {{'size': int, 'sha256': str}})"
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
@@ -137,11 +140,13 @@ def pinned_checkpoints(run_dir: str | os.PathLike) -> set[Path]:
     return pinned
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves under dotted keys (``{"algo": {"gamma": 1.0}}`` -> ``{"algo.gamma": 1.0}``): a config as
+    its overrides name it."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -153,7 +158,7 @@ def config_diff(stored: dict, requested: dict, ignore: tuple[str, ...] = RESUME_
     ``defaults``: the current schema's defaults; a key the stored config lacks (added to crl after the run
     started) counts as its default, so upgrading crl does not by itself block a resume.
     """
-    a, b = {**_flatten(defaults or {}), **_flatten(stored)}, _flatten(requested)
+    a, b = {**flatten(defaults or {}), **flatten(stored)}, flatten(requested)
     lines = []
     for key in sorted(set(a) | set(b)):
         if any(key == p or (p.endswith(".") and key.startswith(p)) for p in ignore):

@@ -66,6 +66,7 @@ from crl.config import chance_success, load_config, to_dict  # noqa: E402  (pure
 from crl.experiments.sweep import BOOTSTRAP, Sweep, aggregate, machine, rel  # noqa: E402
 from crl.experiments.sweep import QUICK as SWEEP_QUICK  # noqa: E402
 from crl.provenance import UNKNOWN  # noqa: E402
+from crl.run_dir import flatten  # noqa: E402
 
 ARMS = ("joint", "joint_segment_lambda", "frozen", "no_cross_trajectory", "segment_mean", "ppo_epochs")
 SEEDS = (7, 17, 29)
@@ -83,13 +84,6 @@ GATES = ("chain", "pretrained")  # --gate: which preregistered gate the report j
 #: Overrides of ``--quick``: the sweep's (2 iterations, a 100-step warm start, 8 dev episodes, ...) on a tiny task
 #: that still compacts 3 times (without a curriculum).
 QUICK = ["env.length=4", "env.compaction_steps=[1,2,3]", "train.curriculum=[]", *SWEEP_QUICK]
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 class Study(Sweep):

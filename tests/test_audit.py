@@ -1,4 +1,4 @@
-"""The evidence audit (crl/audit.py, its command line scripts/audit.py; docs/design.md §8): a clean run passes, every
+"""The evidence audit (crl/audit/, its command line scripts/audit.py; docs/design.md §8): a clean run passes, every
 doctored run fails by name."""
 import ast
 import json
@@ -453,27 +453,40 @@ def forbidden_imports(reached: dict[str, str | None]) -> list[str]:
     return [" -> ".join(chain(m)) for m in sorted(reached) if any(m == f or m.startswith(f + ".") for f in NOT_IMPORTED_BY_THE_AUDIT)]
 
 
+def audit_modules(sources: dict[str, str]) -> list[str]:
+    """The modules of the audit: the package crl.audit and every module in it."""
+    return sorted(m for m in sources if m == "crl.audit" or m.startswith("crl.audit."))
+
+
 def test_the_audit_imports_nothing_of_the_estimator_loss_or_learner():
-    """crl.audit's imports, followed through every crl module they reach (lazy imports included), never reach
-    crl.objectives, crl.learner, crl.training or crl.trainer. Complements test_cli_clean_run_passes, which sees only
-    the modules one clean run happens to import."""
-    reached = crl_imports("crl.audit", crl_sources())
+    """Every module of crl.audit, its imports followed through every crl module they reach (lazy imports included),
+    never reaches crl.objectives, crl.learner, crl.training or crl.trainer; and importing crl.audit runs every one of
+    them. Complements test_cli_clean_run_passes, which sees only the modules one clean run happens to import."""
+    sources = crl_sources()
+    modules = audit_modules(sources)
+    assert {"crl.audit.evidence", "crl.audit.estimator", "crl.audit.grad_norms", "crl.audit.checkpoints", "crl.audit.report"} <= set(modules)
+    reached = crl_imports("crl.audit", sources)
+    assert set(modules) - {"crl.audit.__main__"} <= set(reached), "a module of the audit that crl.audit does not import"
     assert "crl.modules.models" in reached  # the graph sees the lazy import of the checkpoint check (ValueModel)
-    found = forbidden_imports(reached)
-    assert not found, "the audit imports the trainer's estimator/loss/learner:\n" + "\n".join(found)
+    for module in modules:
+        found = forbidden_imports(crl_imports(module, sources))
+        assert not found, f"{module} imports the trainer's estimator/loss/learner:\n" + "\n".join(found)
 
 
+@pytest.mark.parametrize("module", ["crl.audit", "crl.audit.estimator", "crl.audit.checkpoints"])
 @pytest.mark.parametrize("added, through", [
     ("from crl.objectives.ppo import CompactionPPOLoss", None),  # direct
     ("from crl.evaluation import evaluate_policy", "crl.evaluation"),  # transitive: crl.evaluation reaches crl.objectives
 ])
-def test_the_import_check_fails_when_the_audit_imports_the_estimator(added, through):
-    """The check above, on crl.audit's source with one lazy import added: it names the chain to the estimator."""
+def test_the_import_check_fails_when_the_audit_imports_the_estimator(module, added, through):
+    """The check above, on one audit module's source with one lazy import added: it names the chain to the estimator,
+    from crl.audit through that module."""
     sources = crl_sources()
-    sources["crl.audit"] += f"\n\ndef _doctored():\n    {added}\n"
+    sources[module] += f"\n\ndef _doctored():\n    {added}\n"
     found = forbidden_imports(crl_imports("crl.audit", sources))
-    assert found and all(f.startswith("crl.audit -> ") for f in found)
-    assert through is None or any(f.startswith(f"crl.audit -> {through} -> ") for f in found), found
+    via = "crl.audit" if module == "crl.audit" else f"crl.audit -> {module}"
+    assert found and all(f.startswith(f"{via} -> ") for f in found), found
+    assert through is None or any(f.startswith(f"{via} -> {through} -> ") for f in found), found
 
 
 # ------------------------------------------------------------------------------------------------------------

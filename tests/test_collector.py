@@ -64,6 +64,18 @@ def test_behaviour_log_probs_match_teacher_forcing_in_collected_rows(lm):
     torch.testing.assert_close(out["log_prob"][m], td["sample_log_prob"][m], atol=1e-5, rtol=0)
 
 
+def test_the_eos_added_to_the_stop_tokens_keeps_every_other_sampling_setting(lm):
+    """The collector adds EOS to a spec's stop tokens; the temperature, top-p and suppressed ids it was given are what
+    every generation call samples with (a pad token drawn and lost to TorchRL's padding, were suppress_ids dropped)."""
+    given = SamplingSpec(temperature=0.8, top_p=0.9, stop_token_ids=(7,), suppress_ids=(3, 4))
+    col = collector(lm, sampling=given, episodes_per_batch=2)
+    seen = []
+    generate = col.backend.generate
+    col.backend.generate = lambda prompts, budgets, params, **kw: seen.append(params) or generate(prompts, budgets, params, **kw)
+    col.collect()
+    assert seen and set(seen) == {SamplingSpec(temperature=0.8, top_p=0.9, stop_token_ids=(7, EOS_ID), suppress_ids=(3, 4))}
+
+
 def test_rollout_ids_unique_across_ranks_and_batches(lm):
     ids = []
     for rank in (0, 1):

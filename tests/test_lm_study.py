@@ -327,6 +327,21 @@ def test_gate_is_computed_from_the_final_evaluations():
     assert mod.Study.gate(arms([0.96], [0.3]))["code"] == {"commits": ["unknown"], "dirty": "unknown"}
 
 
+def test_the_study_flattens_configs_with_the_run_directorys_flatten():
+    """One flatten of a config into dotted keys (crl.run_dir.flatten, what the resume check compares): the report's
+    ``differs_from_base`` and a refused resume name the same keys."""
+    import importlib.util
+
+    from crl.run_dir import flatten
+
+    spec = importlib.util.spec_from_file_location("lm_study_script", ROOT / "scripts" / "lm_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.flatten is flatten
+    assert flatten({"algo": {"gamma": 1.0, "group": {"scale": "std"}}, "run_dir": "x", "empty": {}}) == {
+        "algo.gamma": 1.0, "algo.group.scale": "std", "run_dir": "x"}
+
+
 @pytest.mark.slow
 def test_lm_study_quick_covers_the_group_estimator_and_the_test_split(tmp_path):
     """--quick on configs/study96 with the critic-free group arm beside joint and frozen: all three train, audit

@@ -72,6 +72,24 @@ def _sample(model, seed=3):
     return [g.token_ids for g in gens], [x for g in gens for x in g.log_probs]
 
 
+def parameters_computed_with(module, **inputs) -> set[int]:
+    """The storage (``data_ptr``) of every parameter a call of ``module`` computes with: each torch function's
+    ``nn.Parameter`` arguments (a linear layer's weight, an embedding's table, a norm's scale)."""
+    from torch.overrides import TorchFunctionMode
+
+    used = set()
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            used.update(a.data_ptr() for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Parameter))
+            return func(*args, **kwargs)
+
+    with Record(), torch.no_grad():
+        module(**inputs)
+    return used
+
+
 def test_the_frozen_summariser_keeps_the_adapter_of_rl_start_and_shares_the_base_weights():
     from crl.modules.lora import FrozenAdapterLM, apply_lora
 
@@ -85,7 +103,14 @@ def test_the_frozen_summariser_keeps_the_adapter_of_rl_start_and_shares_the_base
     lm = perturbed_lora_lm()
     start_tokens, start_logp = _sample(lm)
     frozen = FrozenAdapterLM(lm)
-    assert list(frozen.parameters()) == []
+    assert list(frozen.parameters()) == []  # not a submodule: the policy saves, moves and trains the base weights
+    # it computes with the policy's own base tensors (the same storage, not a copy) and the frozen adapter, never the
+    # policy's adapter
+    used = parameters_computed_with(frozen, input_ids=torch.randint(2, 64, (2, 10)))
+    params = dict(lm.named_parameters())
+    base, frozen_adapter, policy_adapter = ({p.data_ptr() for n, p in params.items() if keep(n)} for keep in (
+        lambda n: "lora_" not in n, lambda n: ".frozen." in n, lambda n: ".default." in n))
+    assert used == base | frozen_adapter and not used & policy_adapter, "the frozen summariser computes with other tensors"
     assert all(not p.requires_grad for n, p in lm.named_parameters() if ".frozen." in n)
     assert all(p.requires_grad for n, p in lm.named_parameters() if ".default." in n)
     with torch.no_grad():  # the policy moves on
@@ -244,8 +269,23 @@ def test_lora_trains_under_zero2_on_two_ranks_resumes_and_passes_the_audit(tmp_p
     assert "resumed from" in resumed.stdout
     assert [r["step"] for r in _metrics(run) if r["step"] > 0] == [1, 2]
     audit(run)
-    for rank in (0, 1):  # each rank's ZeRO partition holds the adapters' optimizer state only
-        assert (sorted((run / "checkpoints").glob("iter_*"))[-1] / "optimizer" / f"actor_rank{rank}.pt").is_file()
+    # the actor's optimizer state is the adapters' only: ZeRO keeps the trained tensors flat, split over the ranks, and
+    # the two partitions together hold exactly the adapter's elements (with the base model: 17x as many), each with its
+    # Adam moments
+    from safetensors.torch import load_file
+
+    from crl.modules.lora import ADAPTER_DIR
+
+    last = sorted((run / "checkpoints").glob("iter_*"))[-1]
+    adapter = load_file(str(last / ADAPTER_DIR / "adapter_model.safetensors"))
+    held = 0
+    for rank in (0, 1):
+        zero = torch.load(last / "optimizer" / f"actor_rank{rank}.pt", weights_only=False)["zero"]
+        flat = zero["single_partition_of_fp32_groups"]
+        moments = zero["base_optimizer_state"]["state"]
+        assert len(moments) == len(flat) and all(moments[i][m].numel() >= t.numel() for i, t in enumerate(flat) for m in ("exp_avg", "exp_avg_sq"))
+        held += sum(t.numel() for t in flat)
+    assert held == sum(t.numel() for t in adapter.values()), (held, sum(t.numel() for t in adapter.values()))
 
 
 @pytest.mark.real_model

@@ -3,7 +3,9 @@
 * Rank 0 picks the checkpoint and broadcasts its name; each rank hashes only the files it reads (the shared ones and
   its own optimizer partition); a rank that cannot find or verify rank 0's choice (a stale listing of a shared
   filesystem, an altered partition) stops every rank with the same one line — on 2 gloo ranks, each given its own
-  view of the run directory.
+  view of the run directory. So does any other failure while they agree (rank 0's meta.json without its config, a
+  rank's unreadable file): one rank's side at a time, its collectives simulated; a malformed manifest entry is a
+  damaged checkpoint, skipped.
 * ``Trainer._setup`` failing after the sampler started closes the sampler (a vLLM engine's processes) and frees the
   run directory.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from datetime import timedelta
@@ -24,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gloo import spawn_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("agree", "stale", "altered", "none")
+SCENARIOS = ("agree", "stale", "altered", "none", "malformed", "no_config")
 
 
 def config(run_dir):
@@ -100,6 +103,14 @@ def test_rank0_chooses_the_checkpoint_and_each_rank_verifies_only_its_own_files(
     part = tmp_path / "altered" / "shared" / "checkpoints" / "iter_000002" / "optimizer" / "actor_rank1.pt"
     part.write_bytes(part.read_bytes()[::-1])
     (tmp_path / "none" / "shared").mkdir(parents=True)
+    # the newest checkpoint's manifest has an entry without its hash: skipped by rank 0 (it raised before the broadcast)
+    write_checkpoint(tmp_path / "malformed" / "shared", 1)
+    set_manifest_entry(write_checkpoint(tmp_path / "malformed" / "shared", 2), "trainer_state.pt", {"size": 6})
+    # the chosen checkpoint's meta.json has no config: rank 0's KeyError reaches rank 1 as the same line
+    no_config = write_checkpoint(tmp_path / "no_config" / "shared", 1)
+    meta = json.loads((no_config / "meta.json").read_text())
+    del meta["config"]
+    (no_config / "meta.json").write_text(json.dumps(meta))
     monkeypatch.setenv("CRL_TEST_RESUME_ROOT", str(tmp_path))
 
     ranks = spawn_ranks(_worker, 2)
@@ -110,12 +121,15 @@ def test_rank0_chooses_the_checkpoint_and_each_rank_verifies_only_its_own_files(
         other = f"optimizer/actor_rank{1 - rank}.pt"
         assert other not in hashed and f"optimizer/actor_rank{rank}.pt" in hashed and "policy/model.safetensors" in hashed, (rank, hashed)
         assert results["none"][0] == ("resumed", None)
+        assert results["malformed"][0] == ("resumed", "iter_000001"), (rank, results["malformed"])
     for scenario, why in (("stale", "meta.json is missing"), ("altered", "optimizer/actor_rank1.pt does not match its SHA-256")):
         lines = [results[scenario][0] for results in ranks]
         assert lines[0] == lines[1], (scenario, lines)  # the same line on every rank
         kind, msg = lines[0]
         assert kind == "stopped" and "\n" not in msg and msg.startswith("rank 1 cannot resume from checkpoints/iter_000002, the checkpoint rank 0 chose (")
         assert why in msg, msg
+    lines = [results["no_config"][0] for results in ranks]
+    assert lines[0] == lines[1] and lines[0][0] == "stopped" and "KeyError: 'config'" in lines[0][1], lines
 
 
 def test_one_process_still_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
@@ -131,6 +145,118 @@ def test_one_process_still_falls_back_past_a_damaged_checkpoint(tmp_path, capsys
     checkpoint, meta = RunCheckpoints(config(tmp_path), 0, 1).resume_checkpoint()
     assert checkpoint.name == "iter_000001" and meta["iteration"] == 1
     assert "skipping checkpoint" in capsys.readouterr().out
+
+
+class OneRankOfTwo:
+    """The collectives of a 2-rank world, seen from ``rank``: what it broadcasts and gathers is recorded; the other rank's
+    part is given (``from_rank0``: what rank 0 broadcast, for rank 1; ``other``: the other rank's verification)."""
+
+    def __init__(self, checkpoints, from_rank0=None, other=(None, "the other view")):
+        self.sent, self.gathered = [], []
+        checkpoints._from_rank0 = self.broadcast
+        checkpoints._from_every_rank = self.gather
+        self.rank, self.given, self.other = checkpoints.rank, from_rank0, other
+
+    def broadcast(self, obj):
+        self.sent.append(list(obj))
+        return obj if self.rank == 0 else list(self.given)
+
+    def gather(self, obj):
+        self.gathered.append(obj)
+        return [obj, self.other] if self.rank == 0 else [self.other, obj]
+
+
+def set_manifest_entry(ckpt: Path, rel: str, entry) -> None:
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["files"][rel] = entry
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("entry", [{"size": 8}, [8, "0" * 64], None], ids=["no_sha256", "a_list", "null"])
+def test_a_malformed_manifest_entry_is_a_damaged_checkpoint_not_a_crash_before_the_broadcast(tmp_path, capsys, entry):
+    """Rank 0 of 2 skips a checkpoint whose manifest has a malformed entry (it raised KeyError / TypeError before the
+    broadcast, leaving rank 1 waiting in it forever) and broadcasts the one before; named with
+    ``checkpoint.resume=PATH``, it is refused in one line, broadcast too."""
+    from crl.config import load_config
+    from crl.run_dir import RunDirError
+    from crl.training.checkpoints import RunCheckpoints
+
+    write_checkpoint(tmp_path, 1)
+    newest = write_checkpoint(tmp_path, 2)
+    set_manifest_entry(newest, "trainer_state.pt", entry)
+    checkpoints = RunCheckpoints(config(tmp_path), 0, 2)
+    world = OneRankOfTwo(checkpoints)
+    checkpoint, meta = checkpoints.resume_checkpoint()
+    assert checkpoint.name == "iter_000001" and meta["iteration"] == 1
+    assert world.sent == [[None, "checkpoints/iter_000001"]]
+    assert f"skipping checkpoint {newest}: meta.json's manifest entry 'trainer_state.pt' is malformed" in capsys.readouterr().out
+
+    named = RunCheckpoints(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={tmp_path}", f"checkpoint.resume={newest}"]), 0, 2)
+    world = OneRankOfTwo(named)
+    with pytest.raises(RunDirError) as err:
+        named.resume_checkpoint()
+    line = str(err.value)
+    assert world.sent == [[line, None]] and "\n" not in line
+    assert line.startswith(f"checkpoint.resume={newest} cannot be used: meta.json's manifest entry 'trainer_state.pt' is malformed"), line
+
+
+def test_every_failure_while_rank_0_chooses_reaches_the_other_ranks_as_one_line(tmp_path, monkeypatch):
+    """Whatever rank 0 raises while choosing — here a meta.json without its config, and an unexpected error of the
+    listing — is broadcast as one line and raised on every rank (it was raised on rank 0 alone, or on each rank as a
+    KeyError: a rank that raised left the others waiting in the next collective)."""
+    import crl.training.checkpoints as ckpt_module
+    from crl.run_dir import RunDirError
+    from crl.training.checkpoints import RunCheckpoints
+
+    newest = write_checkpoint(tmp_path, 1)
+    meta = json.loads((newest / "meta.json").read_text())
+    del meta["config"]
+    (newest / "meta.json").write_text(json.dumps(meta))
+    rank0 = RunCheckpoints(config(tmp_path), 0, 2)
+    world = OneRankOfTwo(rank0)
+    with pytest.raises(RunDirError) as err:
+        rank0.resume_checkpoint()
+    line = str(err.value)
+    assert world.sent == [[line, None]] and "\n" not in line
+    assert line == (f"rank 0 cannot choose the checkpoint to resume from in {tmp_path}: KeyError: 'config'; every rank stops: "
+                    "repair or remove checkpoints/iter_000001, then relaunch")
+    rank1 = RunCheckpoints(config(tmp_path), 1, 2)  # the other rank raises the line it was sent
+    OneRankOfTwo(rank1, from_rank0=[line, None])
+    with pytest.raises(RunDirError, match="^" + re.escape(line) + "$"):
+        rank1.resume_checkpoint()
+
+    def unexpected(*args, **kwargs):
+        raise TypeError("'NoneType' object is not iterable\n(somewhere deep)")
+
+    monkeypatch.setattr(ckpt_module, "newest_intact_checkpoint", unexpected)
+    world = OneRankOfTwo(rank0)
+    with pytest.raises(RunDirError) as err:
+        rank0.resume_checkpoint()
+    assert world.sent == [[str(err.value), None]] and str(err.value) == (
+        f"rank 0 cannot choose the checkpoint to resume from in {tmp_path}: TypeError: 'NoneType' object is not iterable "
+        "(somewhere deep); every rank stops: relaunch once rank 0 can read its checkpoints/")
+
+
+def test_a_failure_while_another_rank_checks_the_choice_reaches_every_rank(tmp_path, monkeypatch):
+    """Rank 1 raising while it verifies rank 0's choice (here: a file it cannot read) gives its one line to the gather,
+    which stops every rank with it (it raised alone, and rank 0 waited in the gather)."""
+    import crl.training.checkpoints as ckpt_module
+    from crl.run_dir import RunDirError
+    from crl.training.checkpoints import RunCheckpoints
+
+    write_checkpoint(tmp_path, 1)
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "optimizer/actor_rank1.pt")
+
+    monkeypatch.setattr(ckpt_module, "verify_checkpoint", unreadable)
+    rank1 = RunCheckpoints(config(tmp_path), 1, 2)
+    world = OneRankOfTwo(rank1, from_rank0=[None, "checkpoints/iter_000001"])
+    with pytest.raises(RunDirError) as err:
+        rank1.resume_checkpoint()
+    why = "PermissionError: [Errno 13] Permission denied: 'optimizer/actor_rank1.pt'"
+    assert world.gathered == [(why, str(tmp_path))]
+    assert str(err.value).startswith(f"rank 1 cannot resume from checkpoints/iter_000001, the checkpoint rank 0 chose ({tmp_path}): {why}; ")
 
 
 def test_a_failed_setup_closes_the_sampler_and_frees_the_run_dir(tmp_path, monkeypatch):

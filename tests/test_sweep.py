@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -333,6 +334,38 @@ def test_a_finished_run_is_reused_only_under_the_settings_it_ran_with(tmp_path, 
     assert "moved to" in capsys.readouterr().out
     with pytest.raises(ValueError, match="use one"):
         sweep.Sweep(arms, seeds, tmp_path / "a", force=True, report_only=True)
+
+
+def test_an_audit_made_by_other_auditor_code_is_redone_where_the_evidence_is(tmp_path, capsys):
+    """An audit.json of the run's current metrics is current only if the auditor that made it is the one the sweep runs
+    (the SHA-256 of crl/audit/'s sources it records). One made by other code is audited again (scripts/audit.py on the
+    run's evidence: a real audit); a run carried without its evidence keeps its audit, and the progress line says so."""
+    import crl.audit
+    from _evidence_factory import make_run
+
+    arms, job = {"default": ROOT / "configs" / "default.yaml"}, ("default", 0, "default")
+    s = sweep.Sweep(arms, [0], tmp_path, overrides=sweep.QUICK, report_only=True)
+    run_dir = s.run_dir(job)
+    make_run(run_dir)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    s.log_base(job).parent.mkdir(parents=True)
+    assert crl.audit.main([str(run_dir)]) == 0
+    assert sweep.audit_current(run_dir) and s.audit(job) == ("PASS", 0.0, True)
+
+    def older_auditor(verdict):  # the same metrics, audited by other code (which said `verdict`)
+        audit = json.loads((run_dir / "audit.json").read_text())
+        (run_dir / "audit.json").write_text(json.dumps(dict(audit, verdict=verdict, auditor={"module": "elsewhere", "sha256": "0" * 64})))
+
+    older_auditor("FAIL")
+    assert not sweep.audit_current(run_dir) and sweep.audit_covers_metrics(run_dir)
+    verdict, _, reused = s.audit(job)
+    assert (verdict, reused) == ("PASS", False) and sweep.audit_current(run_dir)  # audited again, by this auditor
+
+    shutil.rmtree(run_dir / "evidence")  # carried as text: nothing to audit again
+    older_auditor("PASS")
+    capsys.readouterr()
+    assert s.audit(job) == ("PASS", 0.0, True) and not sweep.audit_current(run_dir)
+    assert "audit of default seed 0 reused: it was made by other auditor code" in capsys.readouterr().out
 
 
 def test_cli_refuses_force_with_report_only():

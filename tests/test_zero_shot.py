@@ -27,6 +27,20 @@ def test_the_scripted_summary_is_the_state_of_the_previous_summary_and_the_recor
     assert s.summary_text("nothing yet") == "none"
 
 
+def test_the_summariser_reads_the_suites_texts_with_the_suites_own_patterns():
+    """One definition of the sequential-records texts, beside the suite that writes them (crl.envs.sequential_records):
+    the summariser keeps no pattern of its own, and summary_values reads back what summarize writes, in order."""
+    import crl.envs.sequential_records as records
+    import crl.experiments.zero_shot as zero_shot
+    from crl.envs.sequential_records import summarize, summary_values
+
+    patterns = {name: value for name, value in vars(zero_shot).items() if isinstance(value, re.Pattern)}
+    assert patterns == {"RECORD": records.RECORD}, patterns
+    values = {"red": "2", "blue": "7", "green": "0"}
+    assert summary_values(summarize(values)) == values and list(summary_values(summarize(values))) == list(values)
+    assert summary_values(summarize({})) == {}
+
+
 def test_a_table_on_a_tiny_config_and_the_correct_summaries_always_hold():
     """Plain-protocol tiny model (random weights): every condition runs through crl.evaluation; every summary the
     scripted summariser wrote and the environment judged holds (env.summary_holds, the environment's own check)."""

@@ -29,7 +29,7 @@ import random
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -276,8 +276,8 @@ class CompactionCollector(EpisodeStream):
         self.episodes_per_batch, self.total_batches = episodes_per_batch, total_batches
         stop = (eos_id,)
         self.sampling = sampling or SamplingSpec(stop_token_ids=stop)
-        if eos_id not in self.sampling.stop_token_ids:
-            self.sampling = SamplingSpec(self.sampling.temperature, self.sampling.top_p, tuple(self.sampling.stop_token_ids) + stop)
+        if eos_id not in self.sampling.stop_token_ids:  # replace keeps every other field (suppress_ids too)
+            self.sampling = replace(self.sampling, stop_token_ids=tuple(self.sampling.stop_token_ids) + stop)
         self.max_action_tokens = max_action_tokens
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.tasks_in_order, self.step_timeout, self.progress = tasks_in_order, step_timeout, progress

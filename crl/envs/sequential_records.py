@@ -31,7 +31,8 @@ from typing import Mapping
 
 from crl.envs.base import Task, TaskSuite, TextEnv
 
-__all__ = ["KEYS", "QUESTION", "RECORD", "RecordsTask", "SequentialRecordsEnv", "SequentialRecordsSuite", "summary_pairs"]
+__all__ = ["KEYS", "QUESTION", "RECORD", "RecordsTask", "SequentialRecordsEnv", "SequentialRecordsSuite", "summary_pairs", "summarize",
+           "summary_values"]
 
 KEYS = ("red", "blue", "green", "yellow", "white", "black", "pink", "gray")
 # the texts the suite writes, read back: a record (index, "ignore " or None, key, value) and the question (its key)
@@ -57,6 +58,15 @@ def summary_pairs(summary_text: str, key: str, value: str) -> bool:
 def summarize(values: Mapping[str, str]) -> str:
     """Summary text of key values (insertion order): ``blue = 7 , red = 2``, or ``none`` when empty."""
     return " , ".join(f"{k} = {v}" for k, v in values.items()) or "none"
+
+
+_SUMMARY_PAIR = re.compile(r"(\w+) = (\w+)")
+
+
+def summary_values(summary_text: str) -> dict[str, str]:
+    """The key values a summary in :func:`summarize`'s format holds, in its order (its inverse: ``none`` holds none).
+    Reads what a scripted summariser wrote; a model's free-form summary is judged by :func:`summary_pairs` instead."""
+    return dict(_SUMMARY_PAIR.findall(summary_text))
 
 
 class SequentialRecordsEnv(TextEnv):

@@ -31,8 +31,10 @@ run start and finish, a progress bar over runs (on a terminal), then a table of 
 
 Resumable: rerun the same command. A finished run is recognised by the trainer itself (``scripts/train.py`` on a
 complete run directory prints "already complete" and exits 0); a killed one continues from its newest checkpoint;
-an ``audit.json`` that hashed the run's current ``metrics.jsonl`` (its ``files`` manifest) is reused, and so is a
-final evaluation of the run's last iteration. A run whose metrics reach ``train.iterations`` with both reused is not
+an ``audit.json`` that hashed the run's current ``metrics.jsonl`` (its ``files`` manifest) and was made by the
+current auditor (the SHA-256 of ``crl/audit/``'s sources it records) is reused, and so is a final evaluation of the
+run's last iteration; an audit made by other auditor code is redone, unless the run's evidence is not there (a run
+carried as text: its audit is kept, and the progress line says so). A run whose metrics reach ``train.iterations`` with both reused is not
 relaunched at all: such a run directory needs only ``config.yaml``, ``metrics.jsonl``, ``audit.json`` and the
 evaluation's JSON, so a study longer than one machine's session can carry its finished runs to the next in a few
 hundred kB of text (by content, not mtimes, which neither a copy nor a git checkout keeps; docs/lm_study.md). ``--report-only`` trains
@@ -102,12 +104,14 @@ from tqdm import tqdm
 
 from crl.config import Config, ConfigValidationError, chance_success, load_config, to_dict  # (pure: no torch)
 from crl.io import atomic_write, atomic_write_json, sha256_file
-from crl.provenance import UNKNOWN, git_state
+from crl.provenance import UNKNOWN, git_state, source_hash
 from crl.run_dir import config_diff
 from crl.tracking import read_records
 
 #: The checkout whose ``scripts/train.py``, ``audit.py`` and ``evaluate.py`` each run runs.
 ROOT = Path(__file__).resolve().parents[2]
+#: The auditor ``scripts/audit.py`` runs there: an audit.json records the SHA-256 of its sources (crl.audit.report).
+AUDITOR = ROOT / "crl" / "audit"
 
 #: ``--kernels`` names -> the ``ATEN_CPU_CAPABILITY`` a run gets (None: the variable removed, torch's own choice).
 KERNELS = {"default": None, "scalar": "default", "avx2": "avx2", "avx512": "avx512"}
@@ -200,15 +204,30 @@ def aggregate(rows: list[dict], threshold: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
-def audit_current(run_dir: Path) -> bool:
+def _audit(run_dir: Path) -> dict:
+    """``run_dir/audit.json`` ({} when there is none or it does not parse)."""
+    try:
+        audit = json.loads((run_dir / "audit.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return audit if isinstance(audit, dict) else {}
+
+
+def audit_covers_metrics(run_dir: Path) -> bool:
     """``run_dir/audit.json`` audited the run's current ``metrics.jsonl``: the SHA-256 in its ``files`` manifest is the
     file's (a killed-and-resumed run appends to its metrics, so an older audit is stale)."""
     metrics = run_dir / "metrics.jsonl"
-    try:
-        files = json.loads((run_dir / "audit.json").read_text()).get("files") or []
-    except (OSError, ValueError):
-        return False
-    return metrics.is_file() and any(f.get("path") == "metrics.jsonl" and f.get("sha256") == sha256_file(metrics) for f in files)
+    files = _audit(run_dir).get("files") or []
+    return metrics.is_file() and any(isinstance(f, dict) and f.get("path") == "metrics.jsonl" and f.get("sha256") == sha256_file(metrics)
+                                     for f in files)
+
+
+def audit_current(run_dir: Path) -> bool:
+    """``run_dir/audit.json`` audited the run's current ``metrics.jsonl`` (:func:`audit_covers_metrics`) with the auditor
+    each run's audit runs now: the SHA-256 of its sources it recorded is :data:`AUDITOR`'s (an audit made by other
+    auditor code is redone where the run's evidence still is)."""
+    auditor = _audit(run_dir).get("auditor")
+    return (audit_covers_metrics(run_dir) and isinstance(auditor, dict) and auditor.get("sha256") == source_hash(AUDITOR))
 
 
 def parse_seeds(specs) -> list[int]:
@@ -430,10 +449,11 @@ class Sweep:
         timing_file = logs.with_suffix(".json")
         timing = self.read_timing(timing_file)
         if self.finished_earlier(job):
-            n, verdict, final = self.finished(), self.audit(job)[0], self.final_eval(job)
+            (verdict, _, reused), final = self.audit(job), self.final_eval(job)
+            n = self.finished()
             ev = f", final eval {final['success']:.3f}" if final else ""
             self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs) - len(self.carried)}): finished earlier (its config, metrics, audit and final "
-                     f"evaluation agree), audit {verdict} (reused){ev}")
+                     f"evaluation agree), audit {verdict} ({'reused' if reused else 'again: made by other auditor code'}){ev}")
             return {"audit": verdict, "final_eval": final, **timing}
         self.say(f"start  {self.label(*job)} -> {run_dir}")
         if self.read_run(run_dir)["final_iteration"] != self.cfgs[arm].train.iterations:  # it will train: with this code
@@ -487,12 +507,13 @@ class Sweep:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def finished_earlier(self, job) -> bool:
-        """The run reached ``train.iterations``, its audit is current and so is its final evaluation (when one is asked
-        for): nothing to train, audit or evaluate, even without its checkpoints. Its saved config is the one the sweep
-        would launch (:meth:`check_reuse` refused any other before this); a run without one is not reused."""
+        """The run reached ``train.iterations``, its audit covers its current metrics and its final evaluation is current
+        (when one is asked for): nothing to train or evaluate, even without its checkpoints (:meth:`audit` redoes an
+        audit made by other auditor code where it can). Its saved config is the one the sweep would launch
+        (:meth:`check_reuse` refused any other before this); a run without one is not reused."""
         run_dir = self.run_dir(job)
         return ((run_dir / "config.yaml").is_file() and not self.config_changes(job)
-                and self.read_run(run_dir)["final_iteration"] == self.cfgs[job[0]].train.iterations and audit_current(run_dir)
+                and self.read_run(run_dir)["final_iteration"] == self.cfgs[job[0]].train.iterations and audit_covers_metrics(run_dir)
                 and (not self.final_episodes or self.eval_current(job)))
 
     def eval_current(self, job) -> bool:
@@ -504,10 +525,17 @@ class Sweep:
             return False
 
     def audit(self, job) -> tuple[str, float, bool]:
+        """``(verdict, seconds, reused)``: the run's audit.json when it is current (:func:`audit_current`), else
+        ``scripts/audit.py`` on the run. A run carried without its evidence (config, metrics and audit only) cannot be
+        audited again: an audit of its current metrics made by other auditor code is reused then, and said so."""
         run_dir, logs = self.run_dir(job), self.log_base(job)
         audit_json = run_dir / "audit.json"
         if audit_current(run_dir):
             return json.loads(audit_json.read_text()).get("verdict", "FAIL"), 0.0, True
+        if audit_covers_metrics(run_dir) and not (run_dir / "evidence").is_dir():
+            self.say(f"audit of {self.label(*job)} reused: it was made by other auditor code than {rel(AUDITOR)}'s, and the run's "
+                     "evidence is not here to audit it again")
+            return _audit(run_dir).get("verdict", "FAIL"), 0.0, True
         t0 = time.perf_counter()
         with open(logs.with_suffix(".audit.log"), "w") as log:
             subprocess.run([sys.executable, str(ROOT / "scripts" / "audit.py"), str(run_dir)], cwd=ROOT, env=self.run_env(job[2]),

@@ -20,21 +20,18 @@ easy), ``own_summaries`` and its holding rate low (keeping is not), and a gap be
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass
 
 import torch
 
-from crl.envs.sequential_records import summarize
+from crl.envs.sequential_records import RECORD, summarize, summary_values
 from crl.modules.generation import Generation
 
 __all__ = ["ScriptedSummariser", "ConditionResult", "CONDITIONS", "condition_overrides", "measure"]
 
 CONDITIONS = ("no_compaction", "own_summaries", "correct_summary")
 EXAMPLES = 8  # summaries kept per condition: what the model writes is part of the table
-_RECORD = re.compile(r"record \d+ : (ignore )?key (\w+) = (\w+)")
-_PAIR = re.compile(r"(\w+) = (\w+)")
 
 
 class ScriptedSummariser:
@@ -57,9 +54,9 @@ class ScriptedSummariser:
         if start >= 0:  # the previous summary: the state up to the records still shown after it
             end = request_text.find(self.resume_suffix, start)
             previous = request_text[start + len(self.resume_prefix): end if end >= 0 else None]
-            values.update(_PAIR.findall(previous))
+            values.update(summary_values(previous))
             request_text = request_text[end if end >= 0 else start:]
-        for ignore, key, value in _RECORD.findall(request_text):
+        for _, ignore, key, value in RECORD.findall(request_text):
             if not ignore:
                 values[key] = value
         return summarize(values)

@@ -9,9 +9,17 @@ Layout of ``RUN_DIR/checkpoints/iter_NNNNNN/`` (built under a temporary name, re
     policy/                  the policy as a standard transformers checkpoint: config.json, generation_config.json,
                              model.safetensors, the tokenizer files (its chat template included when it has one).
                              ``AutoModelForCausalLM.from_pretrained``, vLLM and ``model.preset=...`` load it as is.
-    frozen_policy/           frozen-summary runs only: the frozen summariser, in the same format
+                             With LoRA (``model.lora``): the merged weights, under the base model's names.
+    policy_adapter/          LoRA runs only: the adapter in peft's format (adapter_config.json,
+                             adapter_model.safetensors; ``PeftModel.from_pretrained(base, dir)`` loads it), the frozen
+                             summariser's in ``policy_adapter/frozen/``; what a resume restores onto ``model.preset``
+    frozen_policy/           frozen-summary runs without LoRA only: the frozen summariser, in the same format as policy/
     critic.safetensors       the critic (:class:`crl.modules.models.ValueModel`: ``backbone.*`` + ``value_head.*``; its
-                             architecture is ``policy/config.json``; only ``value_head.*`` when it shares the backbone)
+                             architecture is ``policy/config.json``; only ``value_head.*`` when it shares the backbone;
+                             with LoRA, merged: what the audit loads)
+    critic_trained.safetensors  LoRA with a critic of its own (not ``model.share_critic_backbone``) only: the critic's
+                             trained tensors (its adapters and value head, :func:`crl.modules.lora.trainable_state_dict`):
+                             what a resume restores onto the base weights
     optimizer/               the optimizer state: ``actor.pt`` / ``critic.pt`` (``torch.optim`` state dicts, the same on
                              every rank: one process or DDP) or ``actor_rank{R}.pt`` / ``critic_rank{R}.pt`` (DeepSpeed:
                              rank R's ZeRO partition, its fp32 master weights included)
@@ -50,6 +58,11 @@ FROZEN_POLICY_DIR = "frozen_policy"
 CRITIC_FILE = "critic.safetensors"
 OPTIMIZER_DIR = "optimizer"
 WEIGHTS_FILE = "model.safetensors"  # transformers' single-file name
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` as one line (its type and message): what every rank is told when one of them fails."""
+    return " ".join(f"{type(err).__name__}: {err}".split())
 
 
 def optimizer_file(name: str, rank: int | None) -> str:
@@ -172,30 +185,47 @@ class RunCheckpoints:
         files rank 0 reads matching their SHA-256) and broadcasts its name; each rank then hashes only the files it
         reads (:func:`read_by_rank`: the shared ones and its own optimizer partition) in its own view of run_dir. If
         a rank cannot find or verify what rank 0 chose (a stale listing of a shared filesystem, a file altered since),
-        every rank stops with the same one line (:class:`~crl.run_dir.RunDirError`) instead of resuming apart."""
+        every rank stops with the same one line (:class:`~crl.run_dir.RunDirError`) instead of resuming apart. So does
+        any other failure, on rank 0 while it chooses (an unreadable listing, a ``meta.json`` without the config) or on
+        a rank checking the choice: no rank is left waiting in a collective for one that raised."""
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             return None, None
-        error = name = checkpoint = None
+        error = name = checkpoint = meta = None
         if self.is_main:
-            try:  # whatever happens here, the other ranks must hear of it (they wait in the broadcast)
+            try:  # whatever fails here (an unreadable listing, a malformed meta.json), the other ranks must hear of it:
+                # they wait in the broadcast below
                 if resume in ("auto", "force"):
                     checkpoint = newest_intact_checkpoint(self.run_dir, report=print, hashed=read_by_rank(0))
                 else:
                     checkpoint = Path(resume)
                     reason = verify_checkpoint(checkpoint, read_by_rank(0))
                     if reason is not None:
-                        error, checkpoint = f"checkpoint.resume={resume} cannot be used: {reason}", None
-            except OSError as err:
-                error, checkpoint = f"rank 0 cannot read the checkpoints of {self.run_dir}: {err}", None
+                        raise RunDirError(f"checkpoint.resume={resume} cannot be used: {reason}")
+                if checkpoint is not None:
+                    meta = json.loads((checkpoint / "meta.json").read_text())
+                    self._refuse_another_config(checkpoint, meta)
+            except RunDirError as err:
+                error, checkpoint = str(err), None
+            except Exception as err:
+                error = (f"rank 0 cannot choose the checkpoint to resume from in {self.run_dir}: {_one_line(err)}; every rank stops: "
+                         + ("relaunch once rank 0 can read its checkpoints/" if checkpoint is None else
+                            f"repair or remove {os.path.relpath(checkpoint, self.run_dir)}, then relaunch"))
+                checkpoint = None
             name = None if checkpoint is None else os.path.relpath(checkpoint, self.run_dir)
         error, name = self._from_rank0([error, name])
         if error is not None:
             raise RunDirError(error)
         if name is None:
             return None, None
-        checkpoint = checkpoint if self.is_main else self.run_dir / name
-        mine = None if self.is_main else verify_checkpoint(checkpoint, read_by_rank(self.rank))
+        mine = None
+        if not self.is_main:
+            checkpoint = self.run_dir / name
+            try:  # a failure here too reaches every rank, through the gather below
+                mine = verify_checkpoint(checkpoint, read_by_rank(self.rank))
+                meta = json.loads((checkpoint / "meta.json").read_text()) if mine is None else None
+            except Exception as err:
+                mine = _one_line(err)
         failed = [(r, why, where) for r, (why, where) in enumerate(self._from_every_rank((mine, str(self.run_dir)))) if why is not None]
         if failed:  # the same line on every rank
             r, why, where = failed[0]
@@ -205,14 +235,17 @@ class RunCheckpoints:
                 + "; every process must see the same run_dir (a shared filesystem's stale listing? a file altered since?): "
                 "relaunch once it does, or remove that checkpoint to resume from the one before"
             )
-        meta = json.loads((checkpoint / "meta.json").read_text())
+        return checkpoint, meta
+
+    def _refuse_another_config(self, checkpoint: Path, meta: dict) -> None:
+        """Unless ``checkpoint.resume=force``: refuse a checkpoint whose config differs from this run's (resume-safe keys
+        aside, :data:`crl.run_dir.RESUME_SAFE_KEYS`)."""
         diff = config_diff(meta["config"], to_dict(self.cfg), defaults=to_dict(Config()))
         if diff and self.cfg.checkpoint.resume != "force":
             raise RunDirError(
                 f"run_dir {self.run_dir} holds a run with another config ({checkpoint.name}); differing keys: "
                 + "; ".join(diff) + ". Use another run_dir, or checkpoint.resume=force to continue with the new settings"
             )
-        return checkpoint, meta
 
     def _from_rank0(self, obj: list) -> list:
         """``obj`` as rank 0 has it, on every rank (a broadcast over the default process group)."""
