@@ -555,7 +555,6 @@ def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
 
 
 def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finite(tok_lm):
-    from crl.modules.generation import sampling_log_probs
     from crl.modules.models import CausalLMLogProbs
     from crl.sampling import SamplingSpec
 
@@ -567,7 +566,7 @@ def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finit
     with torch.no_grad():
         logits = net.lm(input_ids=tokens, attention_mask=attn.long(),
                         position_ids=(attn.long().cumsum(-1) - 1).clamp(min=0)).logits
-        lp = sampling_log_probs(logits[:, :-1], SamplingSpec(top_p=0.7))
+        lp = SamplingSpec(top_p=0.7).log_probs(logits[:, :-1])
         p = lp.exp()
         want = -(p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum(-1)
     keep = attn.clone()

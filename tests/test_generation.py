@@ -3,7 +3,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from crl.modules.generation import TransformersBackend, sampling_log_probs
+from crl.modules.generation import TransformersBackend
 from crl.modules.models import ValueModel, actor_module, build_causal_lm, critic_module
 from crl.sampling import SamplingSpec
 
@@ -60,7 +60,7 @@ def test_stop_token_kept_and_budgets_per_row(lm):
 def test_top_p_log_probs_are_of_the_truncated_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     params = SamplingSpec(temperature=1.0, top_p=0.7)
-    logp = sampling_log_probs(logits, params)
+    logp = params.log_probs(logits)
     probs = torch.softmax(logits, -1)[0]
     # sorted probs 0.61, 0.22, ...: keep the top two (mass before the 2nd is 0.61 < 0.7, before the 3rd 0.83)
     kept = probs[:2] / probs[:2].sum()
@@ -73,7 +73,7 @@ def test_top_p_log_probs_are_of_the_truncated_distribution():
     seq = torch.tensor([[1, 2, 3] + gen.token_ids])
     with torch.no_grad():
         logits = lm(input_ids=seq).logits[0, 2:-1]
-    expected = sampling_log_probs(logits, SamplingSpec(top_p=0.5)).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+    expected = SamplingSpec(top_p=0.5).log_probs(logits).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
     torch.testing.assert_close(torch.tensor(gen.log_probs), expected, atol=1e-5, rtol=0)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from _vllm import require_vllm, tiny_checkpoint
 from crl.modules.backends import make_backend
-from crl.modules.generation import TransformersBackend, sampling_log_probs
+from crl.modules.generation import TransformersBackend
 from crl.sampling import SamplingSpec
 
 pytestmark = pytest.mark.processes  # several processes or a vLLM engine (tests/conftest.py)
@@ -49,7 +49,7 @@ def teacher_forced_gap(lm, prompts, gens, params=PARAMS) -> float:
     for p, g in zip(prompts, gens):
         with torch.no_grad():
             logits = lm(torch.tensor([list(p) + g.token_ids])).logits[0]
-        lp = sampling_log_probs(logits[len(p) - 1: -1], params).gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1)
+        lp = params.log_probs(logits[len(p) - 1: -1]).gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1)
         worst = max(worst, float((lp - torch.tensor(g.log_probs)).abs().max()))
     return worst
 

@@ -166,7 +166,7 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
     engine's log-probs are the new weights' (the tied LM head's packed copy is rebuilt), and both backends stop on,
     keep and report the same end-of-turn token."""
     require_vllm()
-    from crl.modules.generation import TransformersBackend, sampling_log_probs
+    from crl.modules.generation import TransformersBackend
     from crl.modules.vllm_backend import EngineSettings, VLLMBackend, check_weights_applied, export_weights
     from crl.sampling import SamplingSpec
 
@@ -190,7 +190,7 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
             for p, g in zip(prompts, gens):
                 with torch.no_grad():
                     logits = lm(torch.tensor([p + g.token_ids])).logits[0]
-                lp = sampling_log_probs(logits[len(p) - 1: -1], params).gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1)
+                lp = params.log_probs(logits[len(p) - 1: -1]).gather(-1, torch.tensor(g.token_ids)[:, None]).squeeze(-1)
                 assert float((lp - torch.tensor(g.log_probs)).abs().max()) < 2e-4  # SmolLM2 fp32: 3-7e-5 measured
                 assert g.stopped == (g.token_ids[-1] == im_end) and im_end not in g.token_ids[:-1]
             assert any(g.stopped for g in gens)

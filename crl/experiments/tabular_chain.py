@@ -43,7 +43,7 @@ question is visible; before it, the action distribution ignores the context (an 
 Sampling (:class:`TabularBackend`, a :class:`~crl.modules.generation.GenerationBackend`): the collector asks for
 one token per live episode per step; the backend reads ``(kind, q, v)`` of every prompt
 (:func:`decision_features`, tested equal to the teacher-forced :func:`prefix_features`) and samples all rows
-with one table lookup, returning the exact behaviour log-probs (:func:`~crl.modules.generation.sampling_log_probs`). The toy
+with one table lookup, returning the exact behaviour log-probs (:meth:`crl.sampling.SamplingSpec.log_probs`). The toy
 vocabulary has no stop token: every action and summary is exactly one token (budgets of 1), and ``<pad>``, which
 the policy never emits, is the collector's ``eos_id``.
 
@@ -78,7 +78,7 @@ from crl.collectors import CompactionCollector
 from crl.compaction import CompactionConfig
 from crl.envs.memory_chain import NOUNS, MemoryChainSuite
 from crl.episode import EpisodeStatus, Provenance
-from crl.modules.generation import Generation, sampling_log_probs
+from crl.modules.generation import Generation
 from crl.modules.models import MODEL_IN_KEYS, critic_module
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.sampling import SamplingSpec
@@ -334,7 +334,7 @@ class TabularBackend:
         \\pi(a \\mid h) = \\mathrm{softmax}(\\mathrm{action\\_logits}(q, v) / \\tau), \\qquad
         \\pi(S \\mid h + q_{sum}) = \\mathrm{softmax}(\\mathrm{summary\\_logits}(v) / \\tau)
 
-    (top-p applied) through :func:`~crl.modules.generation.sampling_log_probs`, so the returned log-prob is the
+    (top-p applied) through :meth:`crl.sampling.SamplingSpec.log_probs`, so the returned log-prob is the
     behaviour log-prob of exactly the distribution sampled from; at ``τ = 1``, ``top_p = 1`` it equals the
     teacher-forced :meth:`TabularPolicy.forward` at that token. Action rows are drawn first, then summary rows,
     each with one ``torch.multinomial`` on ``generator``. ``greedy`` takes the argmax instead (evaluation only;
@@ -381,7 +381,7 @@ class TabularBackend:
                 logits = self.policy.action_logits(torch.tensor([feats[i][1] for i in rows]), v)
             else:
                 logits = self.policy.summary_logits(v)
-            logp = sampling_log_probs(logits, params)
+            logp = params.log_probs(logits)
             if self.greedy:
                 idx = logp.argmax(-1)
             else:

@@ -80,11 +80,6 @@ class GenerationBackend(Protocol):
         """Release the engine (its processes, its memory); the sampler is unusable afterwards."""
 
 
-def sampling_log_probs(logits: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
-    """Log-probs of the distribution actually sampled from: :meth:`crl.sampling.SamplingSpec.log_probs`."""
-    return params.log_probs(logits)
-
-
 class TransformersBackend:
     """Batched sampling from a ``transformers`` causal LM with a KV cache.
 
@@ -194,7 +189,7 @@ class TransformersBackend:
         for t in range(int(budgets.max())):
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_kw: past})
             past = out[self._cache_kw]
-            logp = sampling_log_probs(out.logits[:, -1], params)
+            logp = params.log_probs(out.logits[:, -1])  # the distribution sampled from (crl/sampling.py)
             token = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
             token = torch.where(alive, token, torch.full_like(token, self.pad_token_id))
             out_tokens[:, t] = token

@@ -7,7 +7,7 @@ without any collective (unlike the partitioned ZeRO-3 engine, whose every forwar
 
 * **Behaviour log-probs**: ``LLM(logprobs_mode="processed_logprobs")`` with ``SamplingParams(logprobs=0)`` returns
   the log-prob of each sampled token after temperature and top-p, i.e. under the distribution it was drawn from
-  (measured against crl's teacher-forced ``sampling_log_probs``: 5e-6 on a tiny model, 3-5e-5 on SmolLM2, fp32 CPU).
+  (measured against crl's teacher-forced ``SamplingSpec.log_probs``: 5e-6 on a tiny model, 3-5e-5 on SmolLM2, fp32 CPU).
 * **Stop tokens**: ``ignore_eos=True`` + ``stop_token_ids``: vLLM stops only on crl's stop token (as the
   transformers backend does), not also on the checkpoint's ``generation_config`` EOS ids; the stop token is kept
   in the output with its log-prob.
