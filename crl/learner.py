@@ -250,6 +250,10 @@ class PrefixSharedForward(TensorDictModuleBase):
     Keyword Args:
         max_padding, max_chunk_tokens, share_prefixes: see :func:`plan_forward`. ``max_chunk_tokens`` bounds one
             forward call; the activations kept for backward still add up over the chunks of a micro-batch.
+        needed_key: a ``[S, T]`` bool key (``"loss_mask"``) marking the positions whose outputs anyone reads: the
+            network is then called with ``needed=`` (each forward row's union over the segment rows reading it) and
+            may compute its per-token outputs there alone (:meth:`crl.modules.models.CausalLMLogProbs.outputs_at`);
+            outputs elsewhere are then 0. None (or the key absent from the input): every position's.
         sync_ranks: pad to the same number of forward calls on every rank (default: when ``torch.distributed``
             has several ranks). Needed by DDP (buffer broadcast per forward) and ZeRO-3 (gathers per forward).
 
@@ -271,10 +275,12 @@ class PrefixSharedForward(TensorDictModuleBase):
         max_chunk_tokens: int | None = None,
         share_prefixes: bool = True,
         sync_ranks: bool | None = None,
+        needed_key: NestedKey | None = None,
     ):
         super().__init__()
         self.net = net
-        self.in_keys = [tokens_key, mask_key, rollout_key, segment_key]
+        self.in_keys = [tokens_key, mask_key, rollout_key, segment_key] + ([needed_key] if needed_key is not None else [])
+        self.needed_key = needed_key
         self.out_keys = list(out_keys)
         self.keys = dict(tokens_key=tokens_key, mask_key=mask_key, rollout_key=rollout_key, segment_key=segment_key)
         self.plan_kwargs = dict(max_padding=max_padding, max_chunk_tokens=max_chunk_tokens, share_prefixes=share_prefixes)
@@ -308,10 +314,17 @@ class PrefixSharedForward(TensorDictModuleBase):
         dev = tokens.device
         # agree on the number of forward calls *before* the first one: DDP / ZeRO-3 forwards are collectives too
         extra = self._num_calls(len(plan.chunks), dev) - len(plan.chunks)
+        needed = None
+        need = tensordict.get(self.needed_key, None) if self.needed_key is not None else None
+        if need is not None:  # a forward row serves every segment row that reads it: the union of their needs
+            need, src = need.bool(), plan.source.to(dev)
+            readers = src >= 0
+            needed = torch.zeros(need.shape, dtype=torch.int32, device=dev).index_put_((src[readers],), need[readers].int(), accumulate=True) > 0
         bufs: list[list[Tensor]] = [[] for _ in self.out_keys]
         for rows, length in plan.chunks:
             r = rows.to(dev)
-            res = self.net(tokens[r, :length], mask[r, :length])
+            res = self.net(tokens[r, :length], mask[r, :length]) if needed is None else \
+                self.net(tokens[r, :length], mask[r, :length], needed=needed[r, :length])
             res = (res,) if isinstance(res, Tensor) else tuple(res)
             if len(res) != len(self.out_keys):
                 raise ValueError(f"PrefixSharedForward: the network returned {len(res)} outputs for out_keys {self.out_keys}")

@@ -184,3 +184,35 @@ def test_a_shared_trunk_run_resumed_equals_an_uninterrupted_one_and_passes_the_a
     assert all("critic/explained_variance" in r for r in _metrics(straight) if r["step"] >= 1)
     audit(straight)
     audit(split)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["policy", "policy_value"])
+def test_the_head_on_the_needed_positions_gives_the_full_heads_outputs_there_and_its_gradients(shared):
+    """``needed=`` (``PrefixSharedForward(needed_key="loss_mask")``): the LM head runs on the positions the loss reads
+    alone; there the log-probs and entropies equal the full head's, elsewhere they are 0, and the loss's gradients are
+    the full head's (an independent computation: the same network without ``needed``)."""
+    net = (PolicyValueLM(tiny_lm(True), SamplingSpec(1.0, 0.9), head_init="normal", seed=3) if shared else
+           CausalLMLogProbs(tiny_lm(True), 1.0, top_p=0.9))
+    td = batch_for(net)
+    outs = ["log_prob", "entropy"] + (["state_value"] if shared else [])
+    results = {}
+    for name, needed_key in (("full", None), ("needed", "loss_mask")):
+        fwd = PrefixSharedForward(net, outs, needed_key=needed_key)
+        out_td = fwd(td.clone())
+        loss = CompactionPPOLoss(fwd, fwd if shared else None, entropy_coeff=0.01)(td.clone())
+        (loss["loss_objective"] + loss["loss_entropy"] + loss.get("loss_critic", 0.0)).backward()
+        results[name] = (out_td, loss, grads(net))
+    (full, loss_full, g_full), (part, loss_part, g_part) = results["full"], results["needed"]
+    m = td["loss_mask"]
+    src = PrefixSharedForward(net, outs).plan(td).source  # rows sharing a forward row share its needed positions
+    union = torch.stack([m[src == src[i]].any(0) for i in range(len(src))])
+    assert (union & ~m).any(), "no prefix pair: the union of needs was not exercised"
+    for key in ("log_prob", "entropy"):
+        torch.testing.assert_close(part[key][m], full[key][m], rtol=1e-6, atol=1e-6)
+        assert (part[key][~union] == 0).all() and (full[key][~union] != 0).any()
+    if shared:
+        torch.testing.assert_close(part["state_value"], full["state_value"])
+    torch.testing.assert_close(loss_part["loss_objective"], loss_full["loss_objective"], rtol=1e-6, atol=1e-7)
+    assert g_full.keys() == g_part.keys() and g_full
+    for name in g_full:
+        torch.testing.assert_close(g_part[name], g_full[name], rtol=1e-5, atol=1e-7, msg=name)

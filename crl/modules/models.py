@@ -110,13 +110,61 @@ class CausalLMLogProbs(nn.Module):
         """The log-probs of :class:`crl.sampling.SamplingSpec` ``spec``'s distribution (the samplers' own)."""
         return cls(lm, spec.temperature, spec.top_p, spec.suppress_ids)
 
+    # model types whose logits are exactly ``lm_head(final hidden state)`` (no soft-capping or logit scale), so the head
+    # may run on the needed positions alone (:meth:`outputs_at`)
+    PLAIN_HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None,
-                alternatives: torch.Tensor | None = None):
+                alternatives: torch.Tensor | None = None, needed: torch.Tensor | None = None):
         if lm_kwargs is not None:  # generation through this module (a ZeRO-3 engine's hooks start at its forward)
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
+        if needed is not None and alternatives is None and self.head_on_needed_positions:
+            return self.outputs_at(self.final_hidden(tokens, attention_mask), tokens, attention_mask, needed)
         out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
         return self.outputs(out.logits, tokens, attention_mask, alternatives)
+
+    @property
+    def head_on_needed_positions(self) -> bool:
+        """Whether :meth:`outputs_at` applies: the model's logits are its LM head on its final hidden states."""
+        return getattr(self.lm.config, "model_type", None) in self.PLAIN_HEAD_MODEL_TYPES
+
+    def final_hidden(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The decoder's final (normed) hidden states ``[B, T, H]``: what the LM head reads."""
+        return self.lm.get_decoder()(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask),
+                                     use_cache=False).last_hidden_state
+
+    def outputs_at(self, hidden: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor, needed: torch.Tensor):
+        """``(log_prob, entropy)`` ``[B, T]`` at the positions ``needed`` marks (``[B, T]`` bool: the optimized tokens the
+        loss reads), 0 elsewhere: the LM head and the sampler's distribution run on those positions' hidden states
+        alone. Position ``t`` reads ``h[t - 1]``. The same numbers as :meth:`outputs` there (the same head and
+        :meth:`crl.sampling.SamplingSpec.log_probs` per row), at a fraction of its cost: a policy's actions and summaries
+        are ~1/6 of a SmolLM2 records episode's positions, and the head is 21 % of its matmuls (49,152 x 576)."""
+        from torch.utils.checkpoint import checkpoint
+
+        B, T = tokens.shape
+        keep = attention_mask.bool()
+        keep[:, 0] = False
+        where = needed.bool() & keep
+        rows, cols = where.nonzero(as_tuple=True)
+        dummy = rows.numel() == 0
+        if dummy:  # no needed position: the head still runs once (ZeRO-3 and DDP expect every module in every forward)
+            rows, cols = rows.new_zeros(1), rows.new_ones(1).clamp(max=T - 1)
+        head = self.lm.get_output_embeddings()
+        h, y = hidden[rows, cols - 1], tokens[rows, cols]
+        grad = torch.is_grad_enabled() and h.requires_grad
+        lps, ents = [], []
+        for start in range(0, h.shape[0], 1024):  # the [N, V] log-probs live one chunk at a time (checkpointed under grad)
+            args = (head, h[start:start + 1024], y[start:start + 1024], self.sampling)
+            lp, ent = checkpoint(_head_log_probs, *args, use_reentrant=False) if grad else _head_log_probs(*args)
+            lps.append(lp)
+            ents.append(ent)
+        lp, ent = torch.cat(lps), torch.cat(ents)
+        lp = torch.where(torch.isneginf(lp), torch.full_like(lp, self.OUTSIDE_TOP_P_LOG_PROB), lp)
+        if dummy:
+            lp, ent = lp * 0.0, ent * 0.0
+        zeros = hidden.new_zeros((B, T), dtype=lp.dtype)
+        return zeros.index_put((rows, cols), lp), zeros.index_put((rows, cols), ent.to(lp.dtype))
 
     def outputs(self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor, alternatives: torch.Tensor | None = None):
         """``(log_prob, entropy[, log_prob_set, log_prob_alternatives])`` from the model's ``logits`` ``[B, T, V]`` (see
@@ -144,6 +192,10 @@ def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor, spec: Sampling
     logp = spec.log_probs(logits)  # the sampler's distribution, from the one definition (crl/sampling.py)
     finite = logp.masked_fill(torch.isneginf(logp), 0.0)  # excluded ids: p = 0 contributes 0 (not 0 * -inf)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * finite).sum(-1)
+
+
+def _head_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, spec: SamplingSpec):
+    return _chunk_log_probs(head(hidden), targets, spec)
 
 
 def chunked_log_probs(logits: torch.Tensor, tokens: torch.Tensor, spec: SamplingSpec, chunk_size: int = 128):
@@ -265,14 +317,18 @@ class PolicyValueLM(CausalLMLogProbs):
         self.value_head = value_head(lm.config.hidden_size, head_init, seed)
         self.detach_value_features = detach_value_features
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None):
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None, needed: torch.Tensor | None = None):
         if lm_kwargs is not None:  # generation through this module
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
-        out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False,
-                      output_hidden_states=True)
-        hidden = out.hidden_states[-1]  # the final (normed) hidden states: what the LM head reads
-        log_prob, entropy = self.outputs(out.logits, tokens, attention_mask)
+        if needed is not None and self.head_on_needed_positions:  # the LM head on the needed positions only
+            hidden = self.final_hidden(tokens, attention_mask)
+            log_prob, entropy = self.outputs_at(hidden, tokens, attention_mask, needed)
+        else:
+            out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False,
+                          output_hidden_states=True)
+            hidden = out.hidden_states[-1]  # the final (normed) hidden states: what the LM head reads
+            log_prob, entropy = self.outputs(out.logits, tokens, attention_mask)
         values = value_outputs(self.value_head, hidden.detach() if self.detach_value_features else hidden, attention_mask)
         return log_prob, entropy, values
 

@@ -94,7 +94,8 @@ class LearnerModels:
         actor_out = ["log_prob", "entropy"] + (["state_value"] if self.shared_trunk else [])
         if L.prefix_sharing:  # each token computed once: crl/learner.py
             shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
-            self.actor = PrefixSharedForward(self.actor_model, actor_out, **shared)
+            # log-probs and entropies are read at optimized tokens only: the LM head runs there alone
+            self.actor = PrefixSharedForward(self.actor_model, actor_out, needed_key="loss_mask", **shared)
             if self.critic_model is not None:
                 self.critic = PrefixSharedForward(self.critic_model, ["state_value"], **shared)
         else:  # one padded forward of every segment row per micro-batch
