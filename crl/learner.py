@@ -44,6 +44,7 @@ __all__ = [
     "plan_forward",
     "PrefixSharedForward",
     "split_microbatches",
+    "microbatch_rows",
     "split_rows",
     "learner_metrics",
     "enable_gradient_checkpointing",
@@ -372,6 +373,11 @@ def split_microbatches(td: TensorDictBase, n: int, *, plan: ForwardPlan | None =
     their batch order inside a micro-batch. An empty micro-batch is one copied row with a zero loss mask (a real
     forward/backward contributing nothing), as DeepSpeed needs the same count on every rank.
     """
+    return [td[torch.tensor(rows, dtype=torch.long)] if rows else placeholder_row(td) for rows in microbatch_rows(td, n, plan=plan, **plan_kwargs)]
+
+
+def microbatch_rows(td: TensorDictBase, n: int, *, plan: ForwardPlan | None = None, **plan_kwargs) -> list[list[int]]:
+    """The rows of ``td`` in each of :func:`split_microbatches`' ``n`` micro-batches (sorted; empty for a placeholder)."""
     if n < 1:
         raise ValueError(f"split_microbatches: n={n} must be >= 1")
     S = td.batch_size[0]
@@ -388,7 +394,7 @@ def split_microbatches(td: TensorDictBase, n: int, *, plan: ForwardPlan | None =
         i = min(range(n), key=lambda i: (load[i], i))
         bins[i] += groups[g]
         load[i] += cost[g]
-    return [td[torch.tensor(sorted(rows), dtype=torch.long)] if rows else placeholder_row(td) for rows in bins]
+    return [sorted(rows) for rows in bins]
 
 
 def split_rows(td: TensorDictBase, n: int) -> list[TensorDictBase]:

@@ -209,18 +209,23 @@ class Trainer:
             return rollout
         return rollout[rollout["status"] != int(EpisodeStatus.FAILED)]
 
-    def compute_advantages(self, rollout: TensorDict) -> TensorDict:
+    def compute_advantages(self, rollout: TensorDict, iteration: int | None = None) -> TensorDict:
         """The :meth:`trainable` rows of ``rollout``, copied, with the critic's ``state_value`` and the estimator's
         ``advantage``/``value_target``. A rank may end up with no row (its episodes all failed): it still takes part
         in every collective, and the batch it returns is empty.
 
         Raises :class:`StalePolicyError` when a row was sampled by another weight version than the learner's
-        (``policy_version``): its behaviour log-probs would not belong to the policy the ratio is taken against."""
+        (``policy_version``): its behaviour log-probs would not belong to the policy the ratio is taken against.
+
+        ``iteration``: the iteration :meth:`learn` will run on the batch. When it is a policy iteration whose values
+        can come from its one policy step (:attr:`crl.training.update.PPOUpdate.values_from_policy_step`), no pass runs
+        here: that step fills ``state_value`` / ``advantage`` / ``value_target`` from its own forward. None: always here."""
         if "policy_version" in rollout.keys() and bool((rollout["policy_version"] != self.policy_version).any()):
             versions = sorted(set(rollout["policy_version"].tolist()))
             raise StalePolicyError(f"rollout sampled with policy version(s) {versions}, the learner holds version {self.policy_version}: "
                                    "the sampler missed a weight sync (call Trainer.sync_policy_weights after every update)")
-        return self.ppo.advantages(self.trainable(rollout).clone())
+        in_step = (iteration is not None and iteration >= self.cfg.train.critic_warmup_iterations and self.ppo.values_from_policy_step)
+        return self.ppo.advantages(self.trainable(rollout).clone(), in_policy_step=in_step)
 
     def update_critic(self, batch: TensorDict) -> None:
         """``train.critic_updates`` critic optimizer steps on the whole batch (:meth:`PPOUpdate.update_critic`)."""
@@ -369,7 +374,7 @@ class Trainer:
                 entropy_coef = self.ppo.set_entropy_coef(it)
                 rollout = self.collect()
                 t_learn = time.perf_counter()
-                batch = self.compute_advantages(rollout)
+                batch = self.compute_advantages(rollout, it)
                 self.update_skipped = int(all_reduce_sum(torch.tensor(batch.batch_size[0], device=self.device))) == 0
                 if self.update_skipped:  # every episode of every rank failed: nothing to learn from (and nothing to sync)
                     if self.is_main:

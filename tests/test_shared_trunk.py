@@ -171,11 +171,13 @@ def _metrics(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_shared_trunk_run_resumed_equals_an_uninterrupted_one_and_passes_the_audit(tmp_path, lora):
+@pytest.mark.parametrize("lora, minibatches", [(False, 2), (True, 2), (True, 1)], ids=["full", "lora", "lora_values_in_policy_step"])
+def test_a_shared_trunk_run_resumed_equals_an_uninterrupted_one_and_passes_the_audit(tmp_path, lora, minibatches):
+    """(One policy minibatch: the values come from the policy step's own forward; the audit recomputes the advantages
+    from the values that step wrote into the evidence.)"""
     from test_multirank import audit, launch
 
-    arm = ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "train.policy_minibatches=2", *(LORA if lora else [])]
+    arm = ["model.share_critic_backbone=true", "algo.critic_coef=0.5", f"train.policy_minibatches={minibatches}", *(LORA if lora else [])]
     straight, split = tmp_path / "straight", tmp_path / "split"
     launch(1, straight, *arm, "train.iterations=3")
     launch(1, split, *arm, "train.iterations=1")
@@ -216,3 +218,76 @@ def test_the_head_on_the_needed_positions_gives_the_full_heads_outputs_there_and
     assert g_full.keys() == g_part.keys() and g_full
     for name in g_full:
         torch.testing.assert_close(g_part[name], g_full[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _trainer(tmp_path, *extra):
+    from crl.trainer import Trainer
+
+    return Trainer(load_config(ROOT / "configs" / "default.yaml", [
+        f"run_dir={tmp_path / 'run'}", "model.share_critic_backbone=true", "train.iterations=1", "train.episodes_per_batch=4",
+        "train.micro_batches=2", "train.policy_minibatches=1", "train.critic_warmup_iterations=0", "warm_start.steps=5",
+        "warm_start.stop_answer_p=null", "eval.episodes=2", "logging.wandb_mode=disabled", "logging.progress=false",
+        "model.value_head_init=normal", "env.invalid_command=observe", "algo.clip_value=0.2", *extra]))
+
+
+def test_values_from_the_policy_steps_own_forward_equal_a_values_pass_and_give_the_same_update(tmp_path):
+    """One policy step per iteration (``PPOUpdate.values_from_policy_step``): no values pass; each micro-batch's forward
+    gives the values (detached) for the estimator and the log-probs for the loss. Against the iteration with a values
+    pass of its own from the same weights and batch (an independent path): the same values, advantages and targets in
+    the batch (the evidence), the same loss and the same updated weights, to float32 rounding; and the trunk ran once
+    forward and once backward per micro-batch for the whole iteration."""
+    import copy
+
+    trainer = _trainer(tmp_path)
+    try:
+        assert trainer.ppo.values_from_policy_step
+        rollout = trainer.collect()
+        net = trainer.models.actor_model
+        start = (copy.deepcopy(net.state_dict()), copy.deepcopy(trainer.models.actor_opt.state_dict()))
+        results = {}
+        for name, iteration in (("values_pass", None), ("in_step", 0)):
+            net.load_state_dict(start[0])
+            trainer.models.actor_opt.load_state_dict(start[1])
+            trainer.ppo.reset_report()
+            calls = {"forward": 0, "backward": 0}
+            last = trainer.lm.get_decoder().norm
+            hooks = [last.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1)),
+                     last.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))]
+            try:
+                batch = trainer.compute_advantages(rollout.clone(), iteration)
+                trainer.ppo.update_policy(batch, 0)  # (the trainer's would move policy_version on)
+            finally:
+                for h in hooks:
+                    h.remove()
+            results[name] = (batch, {k: v.detach().clone() for k, v in net.state_dict().items()}, trainer.ppo.report, dict(calls))
+        (b0, w0, r0, c0), (b1, w1, r1, c1) = results["values_pass"], results["in_step"]
+        assert not r0.values_in_policy_step and r1.values_in_policy_step
+        assert c1["forward"] == c1["backward"] and c0["forward"] > c1["forward"]  # the values pass is gone
+        m = b0["loss_mask"]
+        assert (b0["advantage"][m] != 0).any(), "every advantage 0: nothing compared"
+        for key in ("state_value", "advantage", "value_target"):
+            torch.testing.assert_close(b1[key], b0[key], rtol=1e-5, atol=1e-6, msg=key)
+        for part, key in (("policy", "loss_objective"), ("policy", "approx_kl"), ("critic", "loss_critic")):
+            got, want = getattr(getattr(r1, part), key), getattr(getattr(r0, part), key)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6, msg=key)
+        assert r1.behaviour_entropy is not None  # from the step's own forward
+        moved = [k for k in w0 if not torch.equal(w0[k], start[0][k])]
+        assert moved
+        for k in w0:
+            torch.testing.assert_close(w1[k], w0[k], rtol=1e-5, atol=1e-6, msg=k)
+    finally:
+        trainer.close()
+
+
+def test_values_in_the_policy_step_are_refused_where_a_row_needs_its_siblings():
+    """Whitening (over the whole batch) or the bootstrap boundary (the next segment's value) need every value before
+    any loss: there the iteration keeps its values pass."""
+    from crl.training.update import PPOUpdate
+
+    for extra, expected in ((["train.policy_minibatches=1"], True), (["train.policy_minibatches=2"], False),
+                            (["train.policy_minibatches=1", "algo.whiten_advantage=true"], False),
+                            (["train.policy_minibatches=1", "train.policy_epochs=2"], False)):
+        cfg = load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", *extra])
+        ppo = PPOUpdate.__new__(PPOUpdate)
+        ppo.cfg, ppo.models = cfg, type("M", (), {"shared_trunk": True})()
+        assert ppo.values_from_policy_step is expected, extra

@@ -283,8 +283,8 @@ def test_trainer_logs_the_summary_channel(tmp_path, overrides):
     trainer = scripted_trainer(tmp_path / "run", *overrides)
     expected, compute = [], trainer.compute_advantages
 
-    def spy(rollout):  # the batch and the weights that sampled it, before any update of the iteration
-        batch = compute(rollout)
+    def spy(rollout, iteration=None):  # the batch and the weights that sampled it, before any update of the iteration
+        batch = compute(rollout, iteration)
         expected.append(entropy_by_hand(trainer.lm, batch, trainer.cfg.model.temperature))
         return batch
 

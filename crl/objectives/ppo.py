@@ -301,7 +301,7 @@ class CompactionPPOLoss(LossModule):
                 out[f"loss_{name}"] = sums[f"sum_{name}"] * (coeff * scale)
         return TensorDict(out, batch_size=[])
 
-    def forward(self, tensordict: TensorDictBase, normalizer: LossNormalizer | None = None) -> TensorDictBase:
+    def forward(self, tensordict: TensorDictBase, normalizer: LossNormalizer | None = None, outputs: TensorDictBase | None = None) -> TensorDictBase:
         """Losses and metrics of one micro-batch.
 
         Args:
@@ -309,6 +309,10 @@ class CompactionPPOLoss(LossModule):
                 ``advantage`` and ``value_target`` from the value estimator.
             normalizer: the step's global counts (:meth:`normalizer`). ``None`` means this batch is the whole
                 step on a single process (refused when ``torch.distributed`` has several ranks).
+            outputs: the networks' outputs on ``tensordict`` (``log_prob``, ``entropy``, ``state_value``, with their
+                graph) when the caller already ran them; the networks are then not called. A step whose values come
+                from its own forward (:meth:`crl.training.update.PPOUpdate.fused_step_loss`) runs the network, then the
+                estimator on the detached values, then this loss.
 
         Returns:
             A TensorDict of scalars (see the class docstring).
@@ -349,7 +353,7 @@ class CompactionPPOLoss(LossModule):
             self._check_finite("sample_log_prob", logp_old, mask)
             self._check_finite("advantage", adv, mask)
 
-            actor_td = self.actor_network(td.select(*self.actor_network.in_keys))
+            actor_td = outputs if outputs is not None else self.actor_network(td.select(*self.actor_network.in_keys))
             logp = self._get(actor_td, k.log_prob, shape, "actor output")
             self._check_finite("the actor's log_prob", logp, mask)
             ent = actor_td.get(k.entropy, None)
@@ -390,6 +394,8 @@ class CompactionPPOLoss(LossModule):
         if self.critic_network is not None:
             if self.shared_network and actor_td is not None:  # one network writes both: its forward already ran
                 critic_td = actor_td
+            elif outputs is not None:
+                critic_td = outputs
             else:
                 critic_td = self.critic_network(td.select(*self.critic_network.in_keys))
             v = self._get(critic_td, k.value, shape, "critic output")

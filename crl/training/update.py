@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from crl.config import Config
 from crl.episode import SegmentKind
-from crl.learner import plan_forward, split_microbatches, split_rows
+from crl.learner import microbatch_rows, placeholder_row, plan_forward
 from crl.modules.models import MODEL_IN_KEYS
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage
 from crl.objectives.distributed import all_reduce_sum
@@ -89,6 +89,7 @@ class UpdateReport:
     kl_stop: bool | None = None
     learner_s: float | None = None
     critic_passes: int = 0
+    values_in_policy_step: bool = False
 
     def metrics(self, device, *, learner_tokens: float, policy_epochs: int) -> dict[str, float]:
         """The logged metrics, the same on every rank (every rank calls it: collectives): each loss metric's mean over
@@ -109,7 +110,8 @@ class UpdateReport:
             if sums[2 * i + 1] > 0:  # no optimized token of the kind (frozen summaries, a skipped update): no value
                 log[f"policy/entropy_{kind}"] = float(sums[2 * i] / sums[2 * i + 1])
         if self.learner_s is not None:
-            passes = (1 + int(self.entropy_pass) + self.critic_passes + (policy_epochs if self.grad_norms["actor"] else 0))
+            passes = (int(not self.values_in_policy_step) + int(self.entropy_pass) + self.critic_passes
+                      + (policy_epochs if self.grad_norms["actor"] else 0))
             log["perf/learner_tokens_per_s"] = passes * learner_tokens / max(self.learner_s, 1e-9)
         return log
 
@@ -142,10 +144,34 @@ class PPOUpdate:
         """A fresh :class:`UpdateReport` (``self.report``): what the optimizer steps since this call did."""
         self.report = UpdateReport()
 
-    def advantages(self, batch: TensorDict) -> TensorDict:
+    @property
+    def values_from_policy_step(self) -> bool:
+        """Whether a policy iteration's values can come from its one policy step's own forward, with no pass of their
+        own: a shared trunk (one network writes log-probs and values), one step per iteration (``policy_epochs`` =
+        ``policy_minibatches`` = 1: the step's forward runs the weights that sampled the batch, so its detached values
+        are the values before the update), and an estimator that reads each row alone (no whitening over the batch,
+        no bootstrap from a sibling row). Then each micro-batch runs the network once, the estimator on its detached
+        values, and the loss on the same outputs (:meth:`fused_step_loss`): one forward and one backward per
+        micro-batch for the whole iteration."""
+        c, a = self.cfg, self.cfg.algo
+        return (self.models.shared_trunk and c.train.policy_epochs == 1 and c.train.policy_minibatches == 1
+                and not a.whiten_advantage and a.boundary == "terminal")
+
+    def advantages(self, batch: TensorDict, *, in_policy_step: bool = False) -> TensorDict:
         """``batch`` with the critic's ``state_value`` (zeros without a critic) and the estimator's ``advantage`` /
         ``value_target``. Every rank calls it, with or without rows (the critic's forwards are collectives under
-        ZeRO-3 and DDP)."""
+        ZeRO-3 and DDP).
+
+        ``in_policy_step`` (only where :attr:`values_from_policy_step`): no pass here; the three keys are zeros that the
+        iteration's policy step fills in from its own forward (``report.values_in_policy_step``)."""
+        if in_policy_step:
+            if not self.values_from_policy_step:
+                raise ValueError("advantages(in_policy_step=True) needs PPOUpdate.values_from_policy_step (a shared trunk, one policy step, "
+                                 "no whitening, the terminal boundary)")
+            for key in ("state_value", "advantage", "value_target"):
+                batch[key] = torch.zeros(batch["loss_mask"].shape, device=batch.device)
+            self.report.values_in_policy_step = True
+            return batch
         if self.models.critic is None:  # critic-free (algo.estimator=group): nothing to evaluate
             batch["state_value"] = torch.zeros(batch["loss_mask"].shape, device=batch.device)
             return self.estimator(batch)
@@ -166,10 +192,14 @@ class PPOUpdate:
 
         ``plan``: ``td``'s :func:`~crl.learner.plan_forward`, when the caller already has it (prefix sharing only).
         """
+        return [td[torch.tensor(rows, dtype=torch.long)] if rows else placeholder_row(td) for rows in self.split_rows(td, plan)]
+
+    def split_rows(self, td: TensorDict, plan=None) -> list[list[int]]:
+        """The rows of ``td`` in each micro-batch of :meth:`split` (empty: a placeholder row)."""
         L, n = self.cfg.learner, self.cfg.train.micro_batches
         if L.prefix_sharing:  # balanced by forward tokens; a prefix pair never splits
-            return split_microbatches(td, n, plan=plan, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
-        return split_rows(td, n)
+            return microbatch_rows(td, n, plan=plan, max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
+        return [idx.tolist() for idx in torch.arange(td.batch_size[0]).tensor_split(n)]
 
     def learner_metrics(self, batch: TensorDict) -> dict:
         """``perf/learner_tokens`` (positions through the actor for one pass over ``batch``, padding included),
@@ -231,6 +261,13 @@ class PPOUpdate:
         ``target_kl``). The first step starts from the sampling weights (KL̂ = 0 up to float noise) and is always
         applied. Logged: ``policy/steps`` (steps applied), ``policy/kl_stop`` (1 when stopped)."""
         t = self.cfg.train
+        if self.report.values_in_policy_step:  # one step over the whole batch, its values from its own forward
+            rows = self.split_rows(batch)
+            mbs = [batch[torch.tensor(r, dtype=torch.long)] if r else placeholder_row(batch) for r in rows]
+            self.optimizer_step("actor", mbs, fill=(batch, rows))
+            self.report.policy_steps, self.report.kl_stop = 1, False
+            self.models.release_gathered()
+            return
         rollouts = batch["rollout_id"].unique()
         order = torch.Generator().manual_seed(t.seed * 7919 + iteration)  # once per iteration: each epoch a new order
         chunks = [chunk for _ in range(t.policy_epochs)
@@ -249,9 +286,9 @@ class PPOUpdate:
     def entropy_from_policy_loss(self) -> bool:
         """Whether the first policy step of an iteration sees every row with the weights that sampled it, so its
         forward gives the behaviour entropy for free: one minibatch per epoch (``train.policy_minibatches=1``; with
-        more, later minibatches see updated weights) and a critic that does not move the actor's weights
-        (``model.share_critic_backbone=false``: the critic steps come first)."""
-        return self.cfg.train.policy_minibatches == 1 and not self.cfg.model.share_critic_backbone
+        more, later minibatches see updated weights). The critic's steps do not move the policy before it: a separate
+        critic has weights of its own, and a shared trunk's critic takes no step of its own in a policy iteration."""
+        return self.cfg.train.policy_minibatches == 1
 
     def record_behaviour_entropy(self, batch: TensorDict) -> None:
         """One no-grad actor pass over ``batch`` with the weights that sampled it (call it before any update of the
@@ -282,7 +319,21 @@ class PPOUpdate:
             for name, k in (("execution", SegmentKind.EXECUTION), ("summary", SegmentKind.SUMMARY))
         }
 
-    def optimizer_step(self, name: str, mbs: list[TensorDict], max_kl: float | None = None) -> bool:
+    def fused_step_loss(self, mb: TensorDict, normalizer, batch: TensorDict, rows: list[int]) -> TensorDict:
+        """The policy loss of micro-batch ``mb`` in a step whose values come from its own forward
+        (:attr:`values_from_policy_step`): the network once (log-probs, entropies, values, with their graph), the
+        estimator on the detached values, then the loss on the same outputs. The values, advantages and value targets
+        are written back into ``batch``'s ``rows`` (the iteration's evidence)."""
+        nets = self.models.actor(mb.select(*self.models.actor.in_keys).clone())
+        mb["state_value"] = nets["state_value"].detach() * mb["loss_mask"]
+        mb = self.estimator(mb)
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long, device=batch.device)
+            for key in ("state_value", "advantage", "value_target"):
+                batch[key][idx] = mb[key].detach()
+        return self.policy_loss(mb, normalizer=normalizer, outputs=nets)
+
+    def optimizer_step(self, name: str, mbs: list[TensorDict], max_kl: float | None = None, fill=None) -> bool:
         """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`):
         backward per micro-batch, clip, step. Returns whether the step was applied: with ``max_kl`` (the actor,
         no DeepSpeed), a step whose token-weighted ``approx_kl`` over all micro-batches and ranks exceeds it is
@@ -291,6 +342,9 @@ class PPOUpdate:
         Every micro-batch's loss is its masked *sum* divided by the step's global token count (all micro-batches,
         all ranks), so the gradient does not depend on how the batch is split. Records the pre-clipping grad
         norm, the normalizer (evidence) and the loss module's metrics in ``self.report``.
+
+        ``fill``: ``(batch, rows)``, the step's values come from its own forward (:meth:`fused_step_loss`; ``rows[i]``:
+        the rows of ``batch`` in ``mbs[i]``).
         """
         report = self.report
         shared = self.models.shared_trunk  # one network and one optimizer for both losses
@@ -301,8 +355,8 @@ class PPOUpdate:
         }[name]
         norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
         outs = []
-        for mb in mbs:
-            out = loss_module(mb, normalizer=norm)
+        for i, mb in enumerate(mbs):
+            out = loss_module(mb, normalizer=norm) if fill is None else self.fused_step_loss(mb, norm, fill[0], fill[1][i])
             loss = sum(v for k, v in out.items() if k.startswith("loss_"))
             if self.models.use_ds:
                 model.backward(loss, scale_wrt_gas=False)  # the loss is already normalised by the step's global counts
