@@ -47,9 +47,9 @@ class LoraSettings:
 
 @dataclass
 class ModelConfig:
-    preset: str = "llama-tiny"  # a crl.modules.models preset, or a local checkpoint directory
+    preset: str = "llama-tiny"  # a crl.modules.presets name, or a local checkpoint directory
     # critic = a value head on the policy's own trunk (one network: one forward and one backward per micro-batch for
-    # both losses, weighted algo.critic_coef; crl.modules.models.PolicyValueLM) | false: a copy of the backbone with a
+    # both losses, weighted algo.critic_coef; crl.modules.networks.PolicyValueLM) | false: a copy of the backbone with a
     # head, its own optimizer and steps
     share_critic_backbone: bool = False
     temperature: float = 1.0

@@ -214,7 +214,7 @@ def make_collector(fault, step_timeout=None, episodes=4, **kw):
     from crl.collectors import CompactionCollector
     from crl.compaction import CompactionConfig
     from crl.modules.generation import TransformersBackend
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.modules.tokenizer import decode, encode, load_tokenizer
     from crl.prompts import EOS
 
@@ -501,7 +501,7 @@ def test_non_io_errors_pass_through_unchanged(tmp_path):
 
 @pytest.fixture(scope="module")
 def tok_lm():
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.modules.tokenizer import load_tokenizer
     from crl.prompts import EOS
 
@@ -537,7 +537,7 @@ def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
     1e-5 on every sampled token, so the first PPO update's ratio is exactly 1."""
     from tensordict.nn import TensorDictModule
 
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     _, _, lm = tok_lm
     td = _top_p_batch(tok_lm, temperature, top_p)
@@ -556,7 +556,7 @@ def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
 
 def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finite(tok_lm):
     from crl.modules.generation import sampling_log_probs
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
     from crl.sampling import SamplingSpec
 
     _, _, lm = tok_lm
@@ -597,7 +597,7 @@ def copy_lm(lm):
 
 
 def test_causal_lm_log_probs_rejects_bad_top_p(tok_lm):
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="top_p"):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from crl.config import ConfigValidationError, load_config
-from crl.modules.models import build_causal_lm
+from crl.modules.networks import build_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]

@@ -143,7 +143,7 @@ def test_the_learners_log_probs_are_the_specs_on_every_path(monkeypatch, top_p):
     """Issue 40 item 6: CausalLMLogProbs forms its log-probs through SamplingSpec.log_probs, on the chunked top_p = 1
     path too, and suppression happens there only (the spec receives the model's raw logits). A spec whose
     distribution is changed (one token's logit raised) must change the learner's log-probs the same way."""
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     lm, seen = _tiny_lm(), []
     real = SamplingSpec.log_probs
@@ -177,7 +177,7 @@ def test_nucleus_log_probs_equal_transformers_own_processors(top_p, temperature)
     from transformers.generation.logits_process import (LogitsProcessorList, SuppressTokensLogitsProcessor,
                                                         TemperatureLogitsWarper, TopPLogitsWarper)
 
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     lm, suppress = _tiny_lm(), (3, 4)
     processors = LogitsProcessorList([SuppressTokensLogitsProcessor(list(suppress)), TemperatureLogitsWarper(temperature),
@@ -293,7 +293,7 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
 
 def mismatched_temperature_kl(trainer, batch, factor: float) -> float:
     """approx_kl of ``batch`` re-scored by the trainer's learner (its autocast) with its temperature times ``factor``."""
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     (learner,) = [m for m in trainer.actor.modules() if isinstance(m, CausalLMLogProbs)]
     spec = learner.sampling

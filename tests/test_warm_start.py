@@ -11,7 +11,7 @@ from tensordict.nn import TensorDictModule
 from crl.compaction import CompactionConfig, CompactionEngine
 from crl.envs import MemoryChainSuite
 from crl.episode import Provenance
-from crl.modules.models import CausalLMLogProbs, build_causal_lm
+from crl.modules.networks import CausalLMLogProbs, build_causal_lm
 from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
 from crl.warm_start import WarmStartError, demonstration_batch, warm_start

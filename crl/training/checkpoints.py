@@ -14,7 +14,7 @@ Layout of ``RUN_DIR/checkpoints/iter_NNNNNN/`` (built under a temporary name, re
                              adapter_model.safetensors; ``PeftModel.from_pretrained(base, dir)`` loads it), the frozen
                              summariser's in ``policy_adapter/frozen/``; what a resume restores onto ``model.preset``
     frozen_policy/           frozen-summary runs without LoRA only: the frozen summariser, in the same format as policy/
-    critic.safetensors       the critic (:class:`crl.modules.models.ValueModel`: ``backbone.*`` + ``value_head.*``; its
+    critic.safetensors       the critic (:class:`crl.modules.networks.ValueModel`: ``backbone.*`` + ``value_head.*``; its
                              architecture is ``policy/config.json``; only ``value_head.*`` when it shares the backbone;
                              with LoRA, merged: what the audit loads)
     critic_trained.safetensors  LoRA with a critic of its own (not ``model.share_critic_backbone``) only: the critic's

@@ -2,7 +2,7 @@
 
 Decided once, here: plain accelerate or two DeepSpeed engines (actor, critic) and their ZeRO stage, a critic or
 none (``algo.estimator=group``), prefix-shared or padded forwards (:mod:`crl.learner`). The rest of the trainer
-sees ``actor`` / ``critic`` (``TensorDictModule`` s over :data:`crl.modules.models.MODEL_IN_KEYS`, or their
+sees ``actor`` / ``critic`` (``TensorDictModule`` s over :data:`crl.modules.networks.MODEL_IN_KEYS`, or their
 prefix-shared forwards), ``actor_model`` / ``critic_model`` (what the optimizers step) and the optimizers.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from crl.io import atomic_torch_save
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
 from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_state_dict,
                               save_adapter, trainable_state_dict)
-from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
+from crl.modules.networks import MODEL_IN_KEYS, CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
 from crl.modules.zero3 import copy_parameters_, zero3_init
 from crl.training.accelerator import deepspeed_stage, optimizer_layout
 

@@ -1,4 +1,5 @@
-"""Actor and critic (docs/design.md §5): a ``transformers`` causal LM and the same backbone with a scalar value head.
+"""The actor and critic networks (docs/design.md §5): a ``transformers`` causal LM and the same backbone with a scalar
+value head. (Which of them a trainer holds, with their optimizers and engines: :mod:`crl.training.models`.)
 
 Models are built from configs (tiny Llama/Qwen2-style presets for CPU runs) or loaded from a *local* checkpoint
 path; nothing is fetched from a hub. Both are exposed as TorchRL ``TensorDictModule`` s over the episode keys
@@ -23,7 +24,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from crl.sampling import SamplingSpec, seeded_torch_rng
-from crl.modules.presets import PRESETS  # re-exported: crl.modules.models.PRESETS
+from crl.modules.presets import PRESETS  # build_causal_lm's named architectures
 
 
 def build_causal_lm(model: str, vocab_size: int, max_positions: int, *, pad_token_id: int = 0, eos_token_id: int | None = None, seed: int = 0, attn_implementation: str = "sdpa"):
