@@ -575,14 +575,14 @@ def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finit
     torch.testing.assert_close(entropy[:, 1:][keep[:, 1:]], want[keep[:, 1:]], atol=1e-5, rtol=0)
     assert torch.isfinite(log_prob).all() and torch.isfinite(entropy).all()
     # observation tokens (not sampled) may lie outside the top-p set: finite floor, not -inf
-    assert (log_prob[~td["loss_mask"] & keep] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()
+    assert (log_prob[~td["loss_mask"] & keep] == CausalLMLogProbs.EXCLUDED_LOG_PROB).any()
     # move the weights so that some sampled tokens leave the top-p set, then backprop a PPO-like loss
     with torch.no_grad():
         for prm in net.lm.parameters():
             prm.add_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
     log_prob, entropy = net(tokens, attn)
     m = td["loss_mask"]
-    assert (log_prob[m] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()  # some sampled tokens left the top-p set
+    assert (log_prob[m] == CausalLMLogProbs.EXCLUDED_LOG_PROB).any()  # some sampled tokens left the top-p set
     ratio = torch.exp(torch.where(m, log_prob - td["sample_log_prob"], torch.zeros_like(log_prob)))
     loss = -(torch.minimum(ratio, ratio.clamp(0.8, 1.2)) * m).sum() - 0.01 * (entropy * m).sum()
     loss.backward()

@@ -126,6 +126,38 @@ def test_the_frozen_summariser_keeps_the_adapter_of_rl_start_and_shares_the_base
     assert lm.training
 
 
+def learner_models(*overrides):
+    """The trainer's LearnerModels for configs/default.yaml with ``overrides``, built in this process (one CPU process)."""
+    from crl.builders import build_tokenizer, sampling_spec
+    from crl.training.accelerator import make_accelerator
+    from crl.training.models import LearnerModels, build_policy_lm
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", list(overrides))
+    codec = build_tokenizer(cfg)
+    accelerator, ds_config = make_accelerator(cfg)
+    return LearnerModels(cfg, build_policy_lm(cfg, codec, ds_config), sampling_spec(cfg, codec), accelerator, ds_config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_learners_frozen_summariser_is_a_copy_only_without_lora(lora):
+    """LearnerModels._frozen_summariser: with LoRA it computes with the policy's own base tensors (the same storage)
+    and a frozen adapter, no copy of the model; without LoRA it is a frozen copy (other storage, the same values)."""
+    from crl.modules.lora import FrozenAdapterLM
+
+    models = learner_models(*(LORA if lora else []), "algo.frozen_summary=true")
+    frozen = models._frozen_summariser()
+    policy = dict(models.lm.named_parameters())
+    if lora:
+        assert isinstance(frozen, FrozenAdapterLM)
+        used = parameters_computed_with(frozen, input_ids=torch.randint(2, 64, (2, 10)))
+        base = {p.data_ptr() for n, p in policy.items() if "lora_" not in n}
+        assert base <= used and all(".frozen." in n or "lora_" not in n for n, p in policy.items() if p.data_ptr() in used)
+    else:
+        own = dict(frozen.named_parameters())
+        assert own.keys() == policy.keys() and not any(p.requires_grad for p in own.values())
+        assert all(own[n].data_ptr() != p.data_ptr() and torch.equal(own[n], p) for n, p in policy.items())
+
+
 def test_only_the_adapters_are_trained():
     from crl.builders import build_tokenizer
     from crl.training.models import build_policy_lm

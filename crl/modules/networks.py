@@ -77,11 +77,12 @@ class CausalLMLogProbs(nn.Module):
     learner's log-prob of a sampled token equals its behaviour log-prob before the first update (PPO ratio
     exactly 1). ``entropy`` is the entropy of that same (truncated) distribution.
 
-    With ``top_p < 1`` a token outside the current top-p set has probability 0. Such tokens are never sampled
-    with the weights that sampled them, but other tokens (observations, prompts) and, after the weights move,
-    a sampled token may fall outside; their log-prob is reported as :attr:`OUTSIDE_TOP_P_LOG_PROB` (-100,
-    ``exp`` = 4e-44: a ratio of 0 for PPO) instead of ``-inf``, so masked arithmetic and gradients stay finite.
-    Warm starts (teacher-forced NLL) should use ``top_p=1``.
+    Tokens the sampler cannot draw have probability 0: a suppressed id (``suppress_ids``, e.g. padding) always, and
+    with ``top_p < 1`` a token outside the current top-p set. A sampled token is neither with the weights that sampled
+    it, but other tokens (observations, prompts, padding in the context) can be, and after the weights move a sampled
+    token may fall outside the top-p set; the log-prob of every such excluded token is reported as
+    :attr:`EXCLUDED_LOG_PROB` (-100, ``exp`` = 4e-44: a ratio of 0 for PPO) instead of ``-inf``, so masked arithmetic
+    and gradients stay finite. Warm starts (teacher-forced NLL) should use ``top_p=1``.
 
     ``forward(..., lm_kwargs={...})`` instead returns the LM's raw output for those keyword arguments (generation
     with a KV cache): :class:`crl.modules.zero3.LockstepEngineLM` samples through a ZeRO-3 engine this way.
@@ -94,7 +95,7 @@ class CausalLMLogProbs(nn.Module):
     positions' full-vocabulary log-probs are formed.
     """
 
-    OUTSIDE_TOP_P_LOG_PROB = -100.0
+    EXCLUDED_LOG_PROB = -100.0  # a token the sampler cannot draw: suppressed, or outside the top-p set
     chunk_size = 128  # positions per chunk of chunked_log_probs
 
     def __init__(self, lm: nn.Module, temperature: float = 1.0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()):
@@ -126,8 +127,8 @@ class CausalLMLogProbs(nn.Module):
         # chunk of positions at a time: never a [B, T, V] log-prob tensor (see chunked_log_probs)
         log_prob, entropy = chunked_log_probs(logits, tokens, self.sampling, self.chunk_size)
         # a token the sampler could not draw (outside the top-p set, or a suppressed id such as padding in the
-        # context) has log-prob -inf: reported as OUTSIDE_TOP_P_LOG_PROB so masked arithmetic and gradients stay finite
-        log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.OUTSIDE_TOP_P_LOG_PROB), log_prob)
+        # context) has log-prob -inf: reported as EXCLUDED_LOG_PROB so masked arithmetic and gradients stay finite
+        log_prob = torch.where(torch.isneginf(log_prob), torch.full_like(log_prob, self.EXCLUDED_LOG_PROB), log_prob)
         keep = attention_mask.bool()
         keep[:, 0] = False
         if alternatives is None:

@@ -1,4 +1,4 @@
-"""The learner's models: the policy, the critic, the frozen summariser copy, their optimizers and engines.
+"""The learner's models: the policy, the critic, the frozen summariser, their optimizers and engines.
 
 Decided once, here: plain accelerate or two DeepSpeed engines (actor, critic) and their ZeRO stage, a critic or
 none (``algo.estimator=group``), prefix-shared or padded forwards (:mod:`crl.learner`). The rest of the trainer
@@ -49,7 +49,7 @@ def build_policy_lm(cfg: Config, codec, ds_config: dict | None):
 
 class LearnerModels:
     """The (warm-started) policy ``lm``, the critic initialised from it (the paper's init; none when
-    ``algo.estimator=group``), the frozen copy (``algo.frozen_summary``), Adam for each, prepared by accelerate or as
+    ``algo.estimator=group``), the frozen summariser (``algo.frozen_summary``), Adam for each, prepared by accelerate or as
     DeepSpeed engines. ``spec``: the sampling distribution the actor's log-probs are taken under (crl/sampling.py)."""
 
     def __init__(self, cfg: Config, lm, spec, accelerator, ds_config: dict | None, device):
@@ -76,7 +76,7 @@ class LearnerModels:
         if cfg.model.gradient_checkpointing:
             for net in filter(None, (actor_net, critic_net)):
                 enable_gradient_checkpointing(net)
-        self.frozen_lm = self._frozen_copy() if cfg.algo.frozen_summary else None
+        self.frozen_lm = self._frozen_summariser() if cfg.algo.frozen_summary else None
         critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay) if critic_net is not None else None
         self.critic_model = self.critic_opt = None
         if self.use_ds:  # two engines from one DeepSpeed JSON (docs/design.md §9)
@@ -104,11 +104,12 @@ class LearnerModels:
         if self.shared_trunk:  # the critic is the actor: one module writes log-probs, entropies and values
             self.critic = self.actor
 
-    def _frozen_copy(self):
-        """The frozen-summary policy: a plain copy of the (warm-started) actor, the same on every rank. Under ZeRO-3 it
-        is filled one module at a time from the partitioned actor, but it is a full plain model on every rank (the
-        frozen sampler does not run through an engine). With LoRA: the policy's base weights with a frozen copy of its
-        adapter (crl/modules/lora.py; no copy of the model)."""
+    def _frozen_summariser(self):
+        """The model that writes summaries in the frozen-summary arm, as the (warm-started) policy is now and stays.
+        Without LoRA a frozen copy of the actor, the same on every rank (under ZeRO-3 filled one module at a time from
+        the partitioned actor, but a full plain model on every rank: the frozen sampler does not run through an
+        engine). With LoRA no copy of the model: a :class:`~crl.modules.lora.FrozenAdapterLM`, the policy's own base
+        weights with a frozen copy of its adapter (crl/modules/lora.py)."""
         if is_lora(self.lm):
             return FrozenAdapterLM(self.lm)
         if not self.stage3:
