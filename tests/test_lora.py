@@ -173,6 +173,7 @@ def test_only_the_adapters_are_trained():
 @pytest.mark.parametrize("override, message", [
     ("model.lora.rank=0", "model.lora.rank"),
     ("model.lora.dropout=1.0", "model.lora.dropout"),
+    ("model.lora.dropout=0.1", r"model.lora.dropout.*must be 0, got 0.1: the sampler decodes with the adapters merged"),
     ("model.lora.target_modules=[]", "model.lora.target_modules"),
     ("deepspeed.config=configs/deepspeed/zero3.json", "ZeRO-3"),
 ])

