@@ -126,6 +126,34 @@ def test_the_frozen_summariser_keeps_the_adapter_of_rl_start_and_shares_the_base
     assert lm.training
 
 
+def test_load_adapter_is_strict_about_names_and_shapes(tmp_path):
+    """crl.modules.lora.load_adapter_ restores a saved adapter exactly, and refuses, naming the tensors, a file with the
+    same number of tensors under other names (peft's loader would load nothing and say nothing) or of another rank."""
+    from safetensors.torch import load_file, save_file
+
+    from crl.modules.lora import apply_lora, load_adapter_, save_adapter
+
+    saved = perturbed_lora_lm()
+    save_adapter(saved, tmp_path / "ok")
+    fresh = apply_lora(tiny_lm(), lora_settings())
+    load_adapter_(fresh, tmp_path / "ok")
+    want = {n: p for n, p in saved.named_parameters() if "lora_" in n}
+    assert want and all(torch.equal(p, want[n]) for n, p in fresh.named_parameters() if "lora_" in n)
+
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "adapter_config.json").write_text((tmp_path / "ok" / "adapter_config.json").read_text())
+    state = load_file(str(tmp_path / "ok" / "adapter_model.safetensors"))
+    save_file({k.replace("q_proj", "query"): v for k, v in state.items()}, str(renamed / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"does not hold adapter 'default': 4 of its tensors missing \(e.g. \[.*q_proj.lora_A.default.*"
+                                         r"4 unexpected \(e.g. \[.*query.*model.lora settings"):
+        load_adapter_(apply_lora(tiny_lm(), lora_settings()), renamed)
+
+    save_adapter(apply_lora(tiny_lm(), lora_settings(rank=2)), tmp_path / "rank2")
+    with pytest.raises(ValueError, match=r"does not fit adapter 'default' \(size mismatch for .*lora_A.*model.lora settings \(rank"):
+        load_adapter_(apply_lora(tiny_lm(), lora_settings()), tmp_path / "rank2")
+
+
 def learner_models(*overrides):
     """The trainer's LearnerModels for configs/default.yaml with ``overrides``, built in this process (one CPU process)."""
     from crl.builders import build_tokenizer, sampling_spec

@@ -172,8 +172,10 @@ def save_adapter(lm: nn.Module, directory) -> None:
 
 
 def load_adapter_(lm: nn.Module, directory) -> None:
-    """Load the adapter :func:`save_adapter` wrote into ``lm``'s (already applied) adapter, in place; every adapter
-    tensor must be in the file."""
+    """Load the adapter :func:`save_adapter` wrote into ``lm``'s (already applied) adapters, in place, strictly: every
+    tensor of each adapter must be in its file, with its shape, and the file must hold nothing else. (peft's
+    ``set_peft_model_state_dict`` is not strict: a file of other names loads nothing and says nothing.) The names are
+    matched as peft loads them (its own key conversions included), from what it reports as missing and unexpected."""
     from pathlib import Path
 
     from peft import set_peft_model_state_dict
@@ -183,12 +185,17 @@ def load_adapter_(lm: nn.Module, directory) -> None:
         path = Path(directory) / ("" if name == "default" else name) / "adapter_model.safetensors"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint holds no adapter {name!r}")
-        state = load_file(str(path))
-        expected = sum(1 for key in lm.state_dict() if f".{name}." in key and "lora_" in key)
-        if len(state) != expected:
-            raise ValueError(f"{path} holds {len(state)} adapter tensors, the model has {expected}: it was written with other "
-                             "model.lora settings (rank, target_modules)")
-        set_peft_model_state_dict(lm, state, adapter_name=name)
+        settings = "written with other model.lora settings (rank, target_modules) or for another model.preset? resume with the ones it was written with"
+        try:
+            result = set_peft_model_state_dict(lm, load_file(str(path)), adapter_name=name)
+        except RuntimeError as err:  # torch's size mismatch (several lines): the first names the tensor and both shapes
+            mismatch = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err).splitlines()[0])
+            raise ValueError(f"{path} does not fit adapter {name!r} ({mismatch}): {settings}") from None
+        missing = sorted(k for k in result.missing_keys if "lora_" in k and f".{name}." in k)
+        unexpected = sorted(result.unexpected_keys)
+        if missing or unexpected:
+            raise ValueError(f"{path} does not hold adapter {name!r}: {len(missing)} of its tensors missing (e.g. {missing[:2]}), "
+                             f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}): {settings}")
 
 
 FROZEN_ADAPTER = "frozen"  # the frozen summariser's adapter (a copy of the policy's at the start of RL)
