@@ -120,6 +120,7 @@ class Trainer:
             return
         if meta is not None:  # before any model is built
             self.checkpoints.check_layout(resume_from, meta, optimizer_layout(self.ds_config))
+        self.checkpoints.check_preset(resume_from, meta)  # model.preset hashed as the run starts; resuming, the checkpoint's must match
         self.checkpoints.remove_partial_writes()
         if self.is_main:
             atomic_write_text(self.run_dir / "config.yaml", to_yaml(cfg))

@@ -64,6 +64,37 @@ def test_merged_state_dict_equals_peft_merge_and_a_plain_model_loads_it_strictly
     torch.testing.assert_close(plain(input_ids=x).logits, lm(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_merged_differences_accept_the_same_base_within_rounding_and_name_any_other(tmp_path):
+    """crl.modules.lora.merged_differences, the LoRA resume's check: the checkpoint's merged weights against the merge of
+    its adapter onto the base weights at hand. The same base: none, also against a merge computed in another order
+    (float64, rounded once: within the rounding bound, though not bit-equal); a base weight moved by 1e-4 in an
+    adapted layer, or by one ulp in a layer the merge leaves as it is, is named."""
+    from crl.modules.lora import merged_differences, merged_state_dict
+    from crl.training.checkpoints import save_weights
+
+    lm = perturbed_lora_lm()
+    save_weights(merged_state_dict(lm), tmp_path / "same.safetensors")
+    assert merged_differences(lm, tmp_path / "same.safetensors") == []
+
+    base = lm.get_base_model()
+    other_order = dict(merged_state_dict(lm))
+    for name, module in base.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            w, a, b = (t.detach().double() for t in (module.get_base_layer().weight, module.lora_A["default"].weight, module.lora_B["default"].weight))
+            other_order[f"{name}.weight"] = (w + module.scaling["default"] * (b @ a)).float()
+    assert any(not torch.equal(other_order[k], v) for k, v in merged_state_dict(lm).items()), "the same bits: nothing was checked"
+    save_weights(other_order, tmp_path / "other_order.safetensors")
+    assert merged_differences(lm, tmp_path / "other_order.safetensors") == []
+
+    with torch.no_grad():
+        base.model.layers[1].self_attn.q_proj.base_layer.weight[0, 0] += 1e-4
+        base.model.embed_tokens.weight[3, 2] = torch.nextafter(base.model.embed_tokens.weight[3, 2], torch.tensor(1.0))
+    lines = merged_differences(lm, tmp_path / "same.safetensors")
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("model.embed_tokens.weight: differs by up to") and "must be bit-equal" in lines[0]
+    assert lines[1].startswith("model.layers.1.self_attn.q_proj.weight: differs by up to 0.0001") and "rounding bound" in lines[1]
+
+
 def _sample(model, seed=3):
     from crl.modules.generation import TransformersBackend
     from crl.sampling import SamplingSpec
@@ -318,6 +349,50 @@ def test_a_lora_run_resumed_equals_an_uninterrupted_one_and_its_merged_policy_sa
     b = TransformersBackend(adapted, seed=11).generate(prompts, [16, 16], spec)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert [x for g in a for x in g.log_probs] == pytest.approx([x for g in b for x in g.log_probs], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_lora_resume_stops_when_model_preset_is_not_the_base_it_was_trained_on(tmp_path):
+    """A LoRA checkpoint holds the adapter, and the base weights are rebuilt from model.preset: a preset directory
+    re-imported with the same bytes resumes; one whose weights changed since stops the run with one line naming
+    model.preset and the file that changed (the fingerprint in meta.json); and where no fingerprint was recorded (a
+    checkpoint of an older crl), the merged weights themselves stop it, naming model.preset and the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_multirank import launch
+    from test_train import tiny_checkpoint
+
+    preset = tiny_checkpoint(tmp_path / "preset")
+    run, args = tmp_path / "run", (*LORA, f"model.preset={preset}")
+    launch(1, run, *args, "train.iterations=1")
+    first = sorted((run / "checkpoints").glob("iter_*"))[-1]
+    recorded = json.loads((first / "meta.json").read_text())["preset"]
+    assert recorded["preset"] == str(preset) and recorded["sha256"] and "model.safetensors" in recorded["files"]
+
+    shutil.copytree(preset, tmp_path / "reimport")  # the same bytes in new files: resumes
+    shutil.rmtree(preset)
+    shutil.copytree(tmp_path / "reimport", preset)
+    assert "resumed from" in launch(1, run, *args, "train.iterations=2").stdout
+
+    weights = load_file(str(preset / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_proj.weight"][0, 0] += 1e-3
+    save_file(weights, str(preset / "model.safetensors"), metadata={"format": "pt"})
+    stopped = launch(1, run, *args, "train.iterations=3", check=False)
+    last = sorted((run / "checkpoints").glob("iter_*"))[-1]
+    assert stopped.returncode == 1 and stopped.stderr.strip().splitlines()[-1].startswith(
+        f"error: model.preset={preset} is not the preset {last} was trained from: model.safetensors changed (SHA-256 "), stopped.stderr[-2000:]
+
+    meta = json.loads((last / "meta.json").read_text())
+    del meta["preset"]  # as a checkpoint written before the fingerprint was recorded
+    (last / "meta.json").write_text(json.dumps(meta))
+    stopped = launch(1, run, *args, "train.iterations=3", check=False)
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert stopped.returncode == 1 and line.startswith(
+        f"error: model.preset={preset} is not the base model {last} was trained on: with the checkpoint's adapter, its merged weights "
+        "differ from policy/model.safetensors in 1 tensor(s), e.g. model.layers.0.self_attn.q_proj.weight: differs by up to 0.001"), stopped.stderr[-2000:]
+    assert f"model.preset={last / 'policy'}" in line
+    assert [r["step"] for r in _metrics(run) if r["step"] > 0] == [1, 2]  # the stopped resumes trained nothing
 
 
 @pytest.mark.processes

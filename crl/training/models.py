@@ -17,9 +17,10 @@ from tensordict.nn import TensorDictModule
 from crl.training import checkpoints as ckpt_files
 from crl.config import Config, ConfigValidationError
 from crl.io import atomic_torch_save
+from crl.run_dir import RunDirError
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
-from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_state_dict,
-                              save_adapter, trainable_state_dict)
+from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_differences,
+                              merged_state_dict, save_adapter, trainable_state_dict)
 from crl.modules.networks import MODEL_IN_KEYS, CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
 from crl.modules.zero3 import copy_parameters_, zero3_init
 from crl.training.accelerator import deepspeed_stage, optimizer_layout
@@ -104,6 +105,28 @@ class LearnerModels:
         if self.shared_trunk:  # the critic is the actor: one module writes log-probs, entropies and values
             self.critic = self.actor
 
+    def _check_merged_policy(self, checkpoint: Path, world: int) -> None:
+        """Stop a LoRA resume whose policy is not the checkpoint's: the base weights come from ``model.preset``, rebuilt
+        (only the adapter is in the checkpoint), so a preset re-imported or changed since, or built otherwise (a named
+        preset under another transformers), would continue training other weights, silently. The merge of the loaded
+        adapter onto them must equal ``policy/model.safetensors`` (:func:`crl.modules.lora.merged_differences`: bit-equal,
+        or within the merge's float rounding bound for adapted layers). Every rank checks its own model and every rank
+        stops with the same line when one differs."""
+        differences = merged_differences(self.lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        every = [differences]
+        if world > 1 and torch.distributed.is_initialized():
+            every = [None] * world
+            torch.distributed.all_gather_object(every, differences)
+        failed = [(r, lines) for r, lines in enumerate(every) if lines]
+        if failed:
+            r, lines = failed[0]
+            where = f" (rank {r}{f' and {len(failed) - 1} more' if len(failed) > 1 else ''})" if world > 1 else ""
+            raise RunDirError(
+                f"model.preset={self.cfg.model.preset} is not the base model {checkpoint} was trained on{where}: with the checkpoint's adapter, "
+                f"its merged weights differ from {ckpt_files.POLICY_DIR}/{ckpt_files.WEIGHTS_FILE} in {len(lines)} tensor(s), e.g. "
+                + "; ".join(lines[:2]) + ". The preset was re-imported or changed since, or is built otherwise (another transformers?): "
+                f"restore it, or start a new run_dir with model.preset={checkpoint / ckpt_files.POLICY_DIR} (the trained policy, merged)")
+
     def _frozen_summariser(self):
         """The model that writes summaries in the frozen-summary arm, as the (warm-started) policy is now and stays.
         Without LoRA a frozen copy of the actor, the same on every rank (under ZeRO-3 filled one module at a time from
@@ -173,10 +196,13 @@ class LearnerModels:
 
     def load(self, checkpoint: Path, rank: int, world: int) -> None:
         """Restore the weights and optimizer states :meth:`save` wrote (this rank's ZeRO partition under DeepSpeed: the
-        fp32 masters come from it, the working weights from the weight files)."""
+        fp32 masters come from it, the working weights from the weight files). With LoRA the adapter goes onto
+        ``model.preset``'s base weights, and the result must be the policy the checkpoint holds
+        (:meth:`_check_merged_policy`)."""
         acc = self.accelerator
         if is_lora(self.lm):  # the base weights are model.preset's; the adapter is what was trained
             load_adapter_(self.lm, checkpoint / ADAPTER_DIR)
+            self._check_merged_policy(checkpoint, world)
         else:
             ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
         critic = acc.unwrap_model(self.critic_model) if self.critic_model is not None else None
