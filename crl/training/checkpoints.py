@@ -334,9 +334,8 @@ class RunCheckpoints:
         if now["sha256"] is None:
             return [f"the checkpoint recorded the directory {recorded.get('preset')}, this run names the built preset {now['preset']}"]
         before, after = recorded.get("files") or {}, now["files"]
-        short = lambda digest: digest[:12]  # noqa: E731
         return [f"{name} {'is new' if name not in before else 'is gone' if name not in after else 'changed'}"
-                + (f" (SHA-256 {short(before[name])}... then, {short(after[name])}... now)" if name in before and name in after else "")
+                + (f" (SHA-256 {before[name][:12]}... then, {after[name][:12]}... now)" if name in before and name in after else "")
                 for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)] or ["the files' SHA-256 changed"]
 
     def remove_partial_writes(self) -> None:

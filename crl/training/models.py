@@ -105,28 +105,6 @@ class LearnerModels:
         if self.shared_trunk:  # the critic is the actor: one module writes log-probs, entropies and values
             self.critic = self.actor
 
-    def _check_merged_policy(self, checkpoint: Path, world: int) -> None:
-        """Stop a LoRA resume whose policy is not the checkpoint's: the base weights come from ``model.preset``, rebuilt
-        (only the adapter is in the checkpoint), so a preset re-imported or changed since, or built otherwise (a named
-        preset under another transformers), would continue training other weights, silently. The merge of the loaded
-        adapter onto them must equal ``policy/model.safetensors`` (:func:`crl.modules.lora.merged_differences`: bit-equal,
-        or within the merge's float rounding bound for adapted layers). Every rank checks its own model and every rank
-        stops with the same line when one differs."""
-        differences = merged_differences(self.lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
-        every = [differences]
-        if world > 1 and torch.distributed.is_initialized():
-            every = [None] * world
-            torch.distributed.all_gather_object(every, differences)
-        failed = [(r, lines) for r, lines in enumerate(every) if lines]
-        if failed:
-            r, lines = failed[0]
-            where = f" (rank {r}{f' and {len(failed) - 1} more' if len(failed) > 1 else ''})" if world > 1 else ""
-            raise RunDirError(
-                f"model.preset={self.cfg.model.preset} is not the base model {checkpoint} was trained on{where}: with the checkpoint's adapter, "
-                f"its merged weights differ from {ckpt_files.POLICY_DIR}/{ckpt_files.WEIGHTS_FILE} in {len(lines)} tensor(s), e.g. "
-                + "; ".join(lines[:2]) + ". The preset was re-imported or changed since, or is built otherwise (another transformers?): "
-                f"restore it, or start a new run_dir with model.preset={checkpoint / ckpt_files.POLICY_DIR} (the trained policy, merged)")
-
     def _frozen_summariser(self):
         """The model that writes summaries in the frozen-summary arm, as the (warm-started) policy is now and stays.
         Without LoRA a frozen copy of the actor, the same on every rank (under ZeRO-3 filled one module at a time from
@@ -225,3 +203,28 @@ class LearnerModels:
                 model.global_steps, model.global_samples, model.skipped_steps = mine["global_steps"], mine["global_samples"], mine["skipped_steps"]
             else:
                 opt.load_state_dict(torch.load(checkpoint / ckpt_files.optimizer_file(name, None), map_location="cpu", weights_only=True))
+
+    def _check_merged_policy(self, checkpoint: Path, world: int) -> None:
+        """Stop a LoRA resume whose policy is not the checkpoint's: the base weights come from ``model.preset``, rebuilt
+        (only the adapter is in the checkpoint), so a preset re-imported or changed since, or built otherwise (a named
+        preset under another transformers), would continue training other weights, silently. The merge of the loaded
+        adapter onto them must equal ``policy/model.safetensors`` (:func:`crl.modules.lora.merged_differences`: bit-equal,
+        or within the merge's float rounding bound for adapted layers). Every rank checks its own model and every rank
+        stops with the same line when one differs."""
+        try:
+            differences = merged_differences(self.lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        except Exception as err:  # the other ranks wait in the gather below: a failure is a difference they hear of
+            differences = [f"cannot compare: {' '.join(f'{type(err).__name__}: {err}'.split())}"]
+        every = [differences]
+        if world > 1 and torch.distributed.is_initialized():
+            every = [None] * world
+            torch.distributed.all_gather_object(every, differences)
+        failed = [(r, lines) for r, lines in enumerate(every) if lines]
+        if failed:
+            r, lines = failed[0]
+            where = f" (rank {r}{f' and {len(failed) - 1} more' if len(failed) > 1 else ''})" if world > 1 else ""
+            raise RunDirError(
+                f"model.preset={self.cfg.model.preset} is not the base model {checkpoint} was trained on{where}: with the checkpoint's adapter, "
+                f"its merged weights differ from {ckpt_files.POLICY_DIR}/{ckpt_files.WEIGHTS_FILE} in {len(lines)} tensor(s), e.g. "
+                + "; ".join(lines[:2]) + ". The preset was re-imported or changed since, or is built otherwise (another transformers?): "
+                f"restore it, or start a new run_dir with model.preset={checkpoint / ckpt_files.POLICY_DIR} (the trained policy, merged)")
