@@ -1,10 +1,11 @@
 """LoRA (``model.lora``, crl/modules/lora.py): what is trained, what a checkpoint holds, and the runs users launch.
 
-In-process: the merged weights against peft's own ``merge_and_unload`` (an independent computation), the frozen
-summariser with the adapter disabled against the base model, only adapter tensors in the actor's optimizer, and the
-config refusals. Through ``scripts/train.py`` (subprocesses): one process interrupted and resumed equals an
-uninterrupted run, audit PASS, and the merged ``policy/`` loads with ``from_pretrained`` (no peft) and samples the
-adapter model's tokens; ZeRO-2 on two CPU ranks, resumed, audit PASS.
+In-process: the merged weights against peft's own ``merge_and_unload`` (an independent computation), the resume's
+merged-weights check (rounding accepted, a moved base weight named), the strict adapter loader, the frozen summariser
+with the adapter disabled against the base model, only adapter tensors in the actor's optimizer, and the config
+refusals. Through ``scripts/train.py`` (subprocesses): one process interrupted and resumed equals an uninterrupted
+run, audit PASS, and the merged ``policy/`` loads with ``from_pretrained`` (no peft) and samples the adapter model's
+tokens; a resume onto a changed preset stops naming ``model.preset``; ZeRO-2 on two CPU ranks, resumed, audit PASS.
 """
 import copy
 import json
