@@ -16,7 +16,7 @@ from crl.collectors import CompactionCollector
 from crl.compaction import CompactionConfig
 from crl.envs import MemoryChainSuite
 from crl.modules.generation import TransformersBackend
-from crl.modules.models import build_causal_lm
+from crl.modules.networks import build_causal_lm
 from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
 

@@ -43,7 +43,7 @@ def main():
     from crl.builders import build_prompt_format, build_tokenizer
     from crl.config import load_config
     from crl.modules.generation import TransformersBackend
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.modules.vllm_backend import (EngineSettings, VLLMBackend, check_weights_applied, default_weights_base, export_weights,
                                           weight_bytes)
 

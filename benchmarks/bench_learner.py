@@ -40,7 +40,7 @@ from tensordict.nn import TensorDictModule  # noqa: E402
 
 from crl.episode import EpisodeStatus, Provenance, Segment, SegmentKind, build_episode, concat_episodes  # noqa: E402
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing, learner_metrics, split_microbatches, split_rows  # noqa: E402
-from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm  # noqa: E402
+from crl.modules.networks import CausalLMLogProbs, ValueModel, build_causal_lm  # noqa: E402
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE  # noqa: E402
 
 KEYS = ["tokens", "attention_mask"]

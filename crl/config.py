@@ -36,7 +36,7 @@ class LoraSettings:
     enabled: bool = False
     rank: int = 16  # r: the adapters' inner dimension
     alpha: float = 32.0  # the update is scaled by alpha / r
-    dropout: float = 0.0  # on the adapters' input; 0 keeps sampler and learner the same function
+    dropout: float = 0.0  # on the adapters' input: must be 0 (merged adapters, which the sampler decodes with, cannot apply it)
     # the linear layers adapted (names inside each decoder layer; Llama/Qwen2: attention and MLP projections)
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     # the transformers sampler decodes with the adapters merged into a copy of the adapted layers (W + alpha/r B A,
@@ -47,9 +47,9 @@ class LoraSettings:
 
 @dataclass
 class ModelConfig:
-    preset: str = "llama-tiny"  # a crl.modules.models preset, or a local checkpoint directory
+    preset: str = "llama-tiny"  # a crl.modules.presets name, or a local checkpoint directory
     # critic = a value head on the policy's own trunk (one network: one forward and one backward per micro-batch for
-    # both losses, weighted algo.critic_coef; crl.modules.models.PolicyValueLM) | false: a copy of the backbone with a
+    # both losses, weighted algo.critic_coef; crl.modules.networks.PolicyValueLM) | false: a copy of the backbone with a
     # head, its own optimizer and steps
     share_critic_backbone: bool = False
     temperature: float = 1.0
@@ -481,7 +481,9 @@ def validate(cfg: Config) -> None:
     if lora.enabled:
         _need(lora.rank >= 1, "model.lora.rank", f"must be >= 1, got {lora.rank}")
         _need(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
-        _need(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+        _need(lora.dropout == 0, "model.lora.dropout", f"must be 0, got {lora.dropout}: the sampler decodes with the adapters merged into "
+              "the weights (crl.modules.lora.MergedAdapters), which cannot drop their input, so with dropout the learner's log-probs "
+              "would be another, random function of the weights than the behaviour log-probs (PPO's first ratio not 1); set it to 0")
         _need(bool(lora.target_modules) and all(isinstance(m, str) and m for m in lora.target_modules), "model.lora.target_modules",
               "must list the linear layers to adapt, e.g. [q_proj, v_proj]")
         if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():

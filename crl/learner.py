@@ -253,7 +253,7 @@ class PrefixSharedForward(TensorDictModuleBase):
             forward call; the activations kept for backward still add up over the chunks of a micro-batch.
         needed_key: a ``[S, T]`` bool key (``"loss_mask"``) marking the positions whose outputs anyone reads: the
             network is then called with ``needed=`` (each forward row's union over the segment rows reading it) and
-            may compute its per-token outputs there alone (:meth:`crl.modules.models.CausalLMLogProbs.outputs_at`);
+            may compute its per-token outputs there alone (:meth:`crl.modules.networks.CausalLMLogProbs.outputs_at`);
             outputs elsewhere are then 0. None (or the key absent from the input): every position's.
         sync_ranks: pad to the same number of forward calls on every rank (default: when ``torch.distributed``
             has several ranks). Needed by DDP (buffer broadcast per forward) and ZeRO-3 (gathers per forward).

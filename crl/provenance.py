@@ -8,16 +8,21 @@ of crl's own sources (for caches).
   :func:`crl_source_hash` — crl's, once per process. A cache keyed by it follows the code that computed the entry,
   not the commit: an edit in a dirty tree changes it, a commit that touches only docs or results does not, and it
   works in a copy without ``.git``.
+* :func:`preset_fingerprint` — ``model.preset`` by content: the SHA-256 of each file of a checkpoint directory a
+  model and its tokenizer are built from (recorded in every training checkpoint, checked on resume).
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["UNKNOWN", "git_state", "source_hash", "crl_source_hash", "REPO"]
+from crl.io import sha256_file
+
+__all__ = ["UNKNOWN", "git_state", "source_hash", "crl_source_hash", "preset_fingerprint", "PRESET_FILES", "REPO"]
 
 UNKNOWN = "unknown"
 PACKAGE = Path(__file__).resolve().parent
@@ -65,3 +70,28 @@ def crl_source_hash() -> str:
     """:func:`source_hash` of the crl package, computed at its first use in this process and kept: the code the
     process runs (its modules are loaded by then), not an edit made to the files on disk while it runs."""
     return source_hash(PACKAGE)
+
+
+#: the files of a checkpoint directory transformers builds a model and its tokenizer from (top level, as patterns):
+#: config, weights, tokenizer, chat template. Others (a README, crl_import.json, a GGUF beside it) change nothing.
+PRESET_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
+                "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template*")
+
+
+def preset_fingerprint(preset: str) -> dict:
+    """``model.preset`` by content: ``{"preset": preset, "sha256": hex | None, "files": {name: hex}}``.
+
+    For a local checkpoint directory, each file of :data:`PRESET_FILES` by its SHA-256 and ``sha256`` over them all
+    (names and hashes, sorted): a re-import that writes the same bytes keeps it, any other change to the weights,
+    config or tokenizer changes it and ``files`` says which file. For a named preset (:mod:`crl.modules.presets`,
+    built from its config with the run's seed) ``sha256`` is None: there are no files, its weights are crl's code.
+    The cost is reading the files once (SmolLM2-135M's 538 MB ``model.safetensors``: 0.4 s from the page cache on one
+    core, measured), so a run computes it once, when it starts.
+    """
+    root = Path(preset)
+    if not root.is_dir():
+        return {"preset": preset, "sha256": None, "files": {}}
+    files = {p.name: sha256_file(p) for p in sorted(root.iterdir())
+             if p.is_file() and any(fnmatch.fnmatch(p.name, pattern) for pattern in PRESET_FILES)}
+    whole = hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in files.items()).encode()).hexdigest()
+    return {"preset": preset, "sha256": whole, "files": files}

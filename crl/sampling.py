@@ -11,7 +11,7 @@ minimum length: nothing that depends on more than the current logits. :meth:`Sam
 transform; every sampler's settings are derived from the same object:
 
 * crl's own sampling loop (:class:`crl.modules.generation.TransformersBackend`) and the learner
-  (:class:`crl.modules.models.CausalLMLogProbs`) apply :meth:`~SamplingSpec.log_probs`;
+  (:class:`crl.modules.networks.CausalLMLogProbs`) apply :meth:`~SamplingSpec.log_probs`;
 * vLLM gets :meth:`~SamplingSpec.vllm_sampling_params` (every penalty and cutoff explicitly neutral);
 * transformers' ``generate`` (TorchRL's ``TransformersWrapper``, crl/torchrl_llm/collector.py) gets
   :meth:`~SamplingSpec.generate_kwargs` and runs inside :meth:`~SamplingSpec.applied_to`, which makes the model's

@@ -64,7 +64,7 @@ class Trainer:
     """CompactionRL on one process or many (accelerate / DeepSpeed ZeRO-2/3). See the module docstring.
 
     Made of parts (:mod:`crl.training`), each built once: ``models`` (:class:`~crl.training.models.LearnerModels`:
-    policy, critic, frozen copy, optimizers, engines), ``sampler`` (:class:`~crl.training.sampler.Sampler`:
+    policy, critic, frozen summariser, optimizers, engines), ``sampler`` (:class:`~crl.training.sampler.Sampler`:
     backends, weight sync), ``ppo`` (:class:`~crl.training.update.PPOUpdate`: estimator, losses, optimizer steps),
     ``checkpoints`` (:class:`~crl.training.checkpoints.RunCheckpoints`), ``collector`` and ``logger``. Attributes users
     touch: ``cfg``, ``run_dir``, ``rank``/``world``, ``lm`` (the policy's causal LM), ``actor`` / ``critic``,
@@ -120,6 +120,7 @@ class Trainer:
             return
         if meta is not None:  # before any model is built
             self.checkpoints.check_layout(resume_from, meta, optimizer_layout(self.ds_config))
+        self.checkpoints.check_preset(resume_from, meta)  # model.preset hashed as the run starts; resuming, the checkpoint's must match
         self.checkpoints.remove_partial_writes()
         if self.is_main:
             atomic_write_text(self.run_dir / "config.yaml", to_yaml(cfg))
@@ -128,7 +129,7 @@ class Trainer:
 
         # ---- the parts: models (warm-started policy first), update, sampler, collector
         if deepspeed_stage(self.ds_config) != 3:  # zero.Init already placed the partitions on the device
-            self.lm.to(self.device)  # warm start, the critic's copy and the frozen copy are made on the device
+            self.lm.to(self.device)  # warm start, the critic's copy and the frozen summariser are made on the device
         if cfg.warm_start.enabled and cfg.warm_start.steps > 0 and resume_from is None:
             warm_start_policy(cfg, self.lm, self.codec, self.prompt_format, self.stages, self.logger.log, ds_config=self.ds_config,
                               rank=self.rank, world=self.world, device=self.device)

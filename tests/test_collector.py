@@ -10,7 +10,7 @@ from crl.compaction import CompactionConfig
 from crl.envs import MemoryChainSuite
 from crl.episode import EpisodeStatus, Provenance, SegmentKind, validate_episodes
 from crl.modules.generation import TransformersBackend
-from crl.modules.models import actor_module, build_causal_lm
+from crl.modules.networks import actor_module, build_causal_lm
 from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
 from crl.sampling import SamplingSpec

@@ -82,7 +82,7 @@ def test_an_evaluation_plays_eval_episodes_whatever_the_world_size(episodes, wor
     from crl.builders import build_prompt_format, build_tokenizer
     from crl.evaluation import evaluate_policy
     from crl.modules.generation import TransformersBackend
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
 
     cfg = load_config(ROOT / "configs" / "default.yaml", [f"eval.episodes={episodes}", "logging.wandb_mode=disabled", "logging.progress=false"])
     codec = build_tokenizer(cfg)

@@ -214,7 +214,7 @@ def make_collector(fault, step_timeout=None, episodes=4, **kw):
     from crl.collectors import CompactionCollector
     from crl.compaction import CompactionConfig
     from crl.modules.generation import TransformersBackend
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.modules.tokenizer import decode, encode, load_tokenizer
     from crl.prompts import EOS
 
@@ -501,7 +501,7 @@ def test_non_io_errors_pass_through_unchanged(tmp_path):
 
 @pytest.fixture(scope="module")
 def tok_lm():
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.modules.tokenizer import load_tokenizer
     from crl.prompts import EOS
 
@@ -537,7 +537,7 @@ def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
     1e-5 on every sampled token, so the first PPO update's ratio is exactly 1."""
     from tensordict.nn import TensorDictModule
 
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     _, _, lm = tok_lm
     td = _top_p_batch(tok_lm, temperature, top_p)
@@ -555,7 +555,7 @@ def test_top_p_learner_log_probs_equal_behaviour(tok_lm, temperature, top_p):
 
 
 def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finite(tok_lm):
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
     from crl.sampling import SamplingSpec
 
     _, _, lm = tok_lm
@@ -574,14 +574,14 @@ def test_top_p_entropy_is_of_the_truncated_distribution_and_gradients_stay_finit
     torch.testing.assert_close(entropy[:, 1:][keep[:, 1:]], want[keep[:, 1:]], atol=1e-5, rtol=0)
     assert torch.isfinite(log_prob).all() and torch.isfinite(entropy).all()
     # observation tokens (not sampled) may lie outside the top-p set: finite floor, not -inf
-    assert (log_prob[~td["loss_mask"] & keep] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()
+    assert (log_prob[~td["loss_mask"] & keep] == CausalLMLogProbs.EXCLUDED_LOG_PROB).any()
     # move the weights so that some sampled tokens leave the top-p set, then backprop a PPO-like loss
     with torch.no_grad():
         for prm in net.lm.parameters():
             prm.add_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
     log_prob, entropy = net(tokens, attn)
     m = td["loss_mask"]
-    assert (log_prob[m] == CausalLMLogProbs.OUTSIDE_TOP_P_LOG_PROB).any()  # some sampled tokens left the top-p set
+    assert (log_prob[m] == CausalLMLogProbs.EXCLUDED_LOG_PROB).any()  # some sampled tokens left the top-p set
     ratio = torch.exp(torch.where(m, log_prob - td["sample_log_prob"], torch.zeros_like(log_prob)))
     loss = -(torch.minimum(ratio, ratio.clamp(0.8, 1.2)) * m).sum() - 0.01 * (entropy * m).sum()
     loss.backward()
@@ -596,7 +596,7 @@ def copy_lm(lm):
 
 
 def test_causal_lm_log_probs_rejects_bad_top_p(tok_lm):
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="top_p"):

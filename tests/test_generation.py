@@ -4,7 +4,7 @@ import torch
 from tensordict import TensorDict
 
 from crl.modules.generation import TransformersBackend
-from crl.modules.models import ValueModel, actor_module, build_causal_lm, critic_module
+from crl.modules.networks import ValueModel, actor_module, build_causal_lm, critic_module
 from crl.sampling import SamplingSpec
 
 V, EOS = 40, 2

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from crl.episode import concat_episodes
 from crl.modules.generation import TransformersBackend
-from crl.modules.models import CausalLMLogProbs, ValueModel, actor_module, build_causal_lm, critic_module
+from crl.modules.networks import CausalLMLogProbs, ValueModel, actor_module, build_causal_lm, critic_module
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.sampling import SamplingSpec
 

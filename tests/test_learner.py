@@ -26,7 +26,7 @@ from crl.learner import (  # noqa: E402
     split_microbatches,
     split_rows,
 )
-from crl.modules.models import CausalLMLogProbs, ValueModel, build_causal_lm  # noqa: E402
+from crl.modules.networks import CausalLMLogProbs, ValueModel, build_causal_lm  # noqa: E402
 from crl.modules.tokenizer import load_tokenizer  # noqa: E402
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, make_normalizer  # noqa: E402
 

@@ -3,7 +3,7 @@ full-vocabulary reference, at top_p = 1 and with top-p truncation and suppressed
 import pytest
 import torch
 
-from crl.modules.models import CausalLMLogProbs, _shift, build_causal_lm, chunked_log_probs
+from crl.modules.networks import CausalLMLogProbs, _shift, build_causal_lm, chunked_log_probs
 from crl.sampling import SamplingSpec
 
 SPECS = [SamplingSpec(temperature=0.7), SamplingSpec(temperature=1.0), SamplingSpec(temperature=0.7, top_p=0.8, suppress_ids=(3, 4))]

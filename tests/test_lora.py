@@ -1,10 +1,11 @@
 """LoRA (``model.lora``, crl/modules/lora.py): what is trained, what a checkpoint holds, and the runs users launch.
 
-In-process: the merged weights against peft's own ``merge_and_unload`` (an independent computation), the frozen
-summariser with the adapter disabled against the base model, only adapter tensors in the actor's optimizer, and the
-config refusals. Through ``scripts/train.py`` (subprocesses): one process interrupted and resumed equals an
-uninterrupted run, audit PASS, and the merged ``policy/`` loads with ``from_pretrained`` (no peft) and samples the
-adapter model's tokens; ZeRO-2 on two CPU ranks, resumed, audit PASS.
+In-process: the merged weights against peft's own ``merge_and_unload`` (an independent computation), the resume's
+merged-weights check (rounding accepted, a moved base weight named), the strict adapter loader, the frozen summariser
+with the adapter disabled against the base model, only adapter tensors in the actor's optimizer, and the config
+refusals. Through ``scripts/train.py`` (subprocesses): one process interrupted and resumed equals an uninterrupted
+run, audit PASS, and the merged ``policy/`` loads with ``from_pretrained`` (no peft) and samples the adapter model's
+tokens; a resume onto a changed preset stops naming ``model.preset``; ZeRO-2 on two CPU ranks, resumed, audit PASS.
 """
 import copy
 import json
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from crl.config import ConfigValidationError, load_config
-from crl.modules.models import build_causal_lm
+from crl.modules.networks import build_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
@@ -62,6 +63,37 @@ def test_merged_state_dict_equals_peft_merge_and_a_plain_model_loads_it_strictly
     plain.load_state_dict(merged, strict=True)
     x = torch.randint(2, 64, (2, 10))
     torch.testing.assert_close(plain(input_ids=x).logits, lm(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_differences_accept_the_same_base_within_rounding_and_name_any_other(tmp_path):
+    """crl.modules.lora.merged_differences, the LoRA resume's check: the checkpoint's merged weights against the merge of
+    its adapter onto the base weights at hand. The same base: none, also against a merge computed in another order
+    (float64, rounded once: within the rounding bound, though not bit-equal); a base weight moved by 1e-4 in an
+    adapted layer, or by one ulp in a layer the merge leaves as it is, is named."""
+    from crl.modules.lora import merged_differences, merged_state_dict
+    from crl.training.checkpoints import save_weights
+
+    lm = perturbed_lora_lm()
+    save_weights(merged_state_dict(lm), tmp_path / "same.safetensors")
+    assert merged_differences(lm, tmp_path / "same.safetensors") == []
+
+    base = lm.get_base_model()
+    other_order = dict(merged_state_dict(lm))
+    for name, module in base.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            w, a, b = (t.detach().double() for t in (module.get_base_layer().weight, module.lora_A["default"].weight, module.lora_B["default"].weight))
+            other_order[f"{name}.weight"] = (w + module.scaling["default"] * (b @ a)).float()
+    assert any(not torch.equal(other_order[k], v) for k, v in merged_state_dict(lm).items()), "the same bits: nothing was checked"
+    save_weights(other_order, tmp_path / "other_order.safetensors")
+    assert merged_differences(lm, tmp_path / "other_order.safetensors") == []
+
+    with torch.no_grad():
+        base.model.layers[1].self_attn.q_proj.base_layer.weight[0, 0] += 1e-4
+        base.model.embed_tokens.weight[3, 2] = torch.nextafter(base.model.embed_tokens.weight[3, 2], torch.tensor(1.0))
+    lines = merged_differences(lm, tmp_path / "same.safetensors")
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("model.embed_tokens.weight: differs by up to") and "must be bit-equal" in lines[0]
+    assert lines[1].startswith("model.layers.1.self_attn.q_proj.weight: differs by up to 0.0001") and "rounding bound" in lines[1]
 
 
 def _sample(model, seed=3):
@@ -126,6 +158,66 @@ def test_the_frozen_summariser_keeps_the_adapter_of_rl_start_and_shares_the_base
     assert lm.training
 
 
+def test_load_adapter_is_strict_about_names_and_shapes(tmp_path):
+    """crl.modules.lora.load_adapter_ restores a saved adapter exactly, and refuses, naming the tensors, a file with the
+    same number of tensors under other names (peft's loader would load nothing and say nothing) or of another rank."""
+    from safetensors.torch import load_file, save_file
+
+    from crl.modules.lora import apply_lora, load_adapter_, save_adapter
+
+    saved = perturbed_lora_lm()
+    save_adapter(saved, tmp_path / "ok")
+    fresh = apply_lora(tiny_lm(), lora_settings())
+    load_adapter_(fresh, tmp_path / "ok")
+    want = {n: p for n, p in saved.named_parameters() if "lora_" in n}
+    assert want and all(torch.equal(p, want[n]) for n, p in fresh.named_parameters() if "lora_" in n)
+
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "adapter_config.json").write_text((tmp_path / "ok" / "adapter_config.json").read_text())
+    state = load_file(str(tmp_path / "ok" / "adapter_model.safetensors"))
+    save_file({k.replace("q_proj", "query"): v for k, v in state.items()}, str(renamed / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"does not hold adapter 'default': 4 of its tensors missing \(e.g. \[.*q_proj.lora_A.default.*"
+                                         r"4 unexpected \(e.g. \[.*query.*model.lora settings"):
+        load_adapter_(apply_lora(tiny_lm(), lora_settings()), renamed)
+
+    save_adapter(apply_lora(tiny_lm(), lora_settings(rank=2)), tmp_path / "rank2")
+    with pytest.raises(ValueError, match=r"does not fit adapter 'default' \(size mismatch for .*lora_A.*model.lora settings \(rank"):
+        load_adapter_(apply_lora(tiny_lm(), lora_settings()), tmp_path / "rank2")
+
+
+def learner_models(*overrides):
+    """The trainer's LearnerModels for configs/default.yaml with ``overrides``, built in this process (one CPU process)."""
+    from crl.builders import build_tokenizer, sampling_spec
+    from crl.training.accelerator import make_accelerator
+    from crl.training.models import LearnerModels, build_policy_lm
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", list(overrides))
+    codec = build_tokenizer(cfg)
+    accelerator, ds_config = make_accelerator(cfg)
+    return LearnerModels(cfg, build_policy_lm(cfg, codec, ds_config), sampling_spec(cfg, codec), accelerator, ds_config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_learners_frozen_summariser_is_a_copy_only_without_lora(lora):
+    """LearnerModels._frozen_summariser: with LoRA it computes with the policy's own base tensors (the same storage)
+    and a frozen adapter, no copy of the model; without LoRA it is a frozen copy (other storage, the same values)."""
+    from crl.modules.lora import FrozenAdapterLM
+
+    models = learner_models(*(LORA if lora else []), "algo.frozen_summary=true")
+    frozen = models._frozen_summariser()
+    policy = dict(models.lm.named_parameters())
+    if lora:
+        assert isinstance(frozen, FrozenAdapterLM)
+        used = parameters_computed_with(frozen, input_ids=torch.randint(2, 64, (2, 10)))
+        base = {p.data_ptr() for n, p in policy.items() if "lora_" not in n}
+        assert base <= used and all(".frozen." in n or "lora_" not in n for n, p in policy.items() if p.data_ptr() in used)
+    else:
+        own = dict(frozen.named_parameters())
+        assert own.keys() == policy.keys() and not any(p.requires_grad for p in own.values())
+        assert all(own[n].data_ptr() != p.data_ptr() and torch.equal(own[n], p) for n, p in policy.items())
+
+
 def test_only_the_adapters_are_trained():
     from crl.builders import build_tokenizer
     from crl.training.models import build_policy_lm
@@ -141,6 +233,7 @@ def test_only_the_adapters_are_trained():
 @pytest.mark.parametrize("override, message", [
     ("model.lora.rank=0", "model.lora.rank"),
     ("model.lora.dropout=1.0", "model.lora.dropout"),
+    ("model.lora.dropout=0.1", r"model.lora.dropout.*must be 0, got 0.1: the sampler decodes with the adapters merged"),
     ("model.lora.target_modules=[]", "model.lora.target_modules"),
     ("deepspeed.config=configs/deepspeed/zero3.json", "ZeRO-3"),
 ])
@@ -257,6 +350,50 @@ def test_a_lora_run_resumed_equals_an_uninterrupted_one_and_its_merged_policy_sa
     b = TransformersBackend(adapted, seed=11).generate(prompts, [16, 16], spec)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert [x for g in a for x in g.log_probs] == pytest.approx([x for g in b for x in g.log_probs], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_lora_resume_stops_when_model_preset_is_not_the_base_it_was_trained_on(tmp_path):
+    """A LoRA checkpoint holds the adapter, and the base weights are rebuilt from model.preset: a preset directory
+    re-imported with the same bytes resumes; one whose weights changed since stops the run with one line naming
+    model.preset and the file that changed (the fingerprint in meta.json); and where no fingerprint was recorded (a
+    checkpoint of an older crl), the merged weights themselves stop it, naming model.preset and the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_multirank import launch
+    from test_train import tiny_checkpoint
+
+    preset = tiny_checkpoint(tmp_path / "preset")
+    run, args = tmp_path / "run", (*LORA, f"model.preset={preset}")
+    launch(1, run, *args, "train.iterations=1")
+    first = sorted((run / "checkpoints").glob("iter_*"))[-1]
+    recorded = json.loads((first / "meta.json").read_text())["preset"]
+    assert recorded["preset"] == str(preset) and recorded["sha256"] and "model.safetensors" in recorded["files"]
+
+    shutil.copytree(preset, tmp_path / "reimport")  # the same bytes in new files: resumes
+    shutil.rmtree(preset)
+    shutil.copytree(tmp_path / "reimport", preset)
+    assert "resumed from" in launch(1, run, *args, "train.iterations=2").stdout
+
+    weights = load_file(str(preset / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_proj.weight"][0, 0] += 1e-3
+    save_file(weights, str(preset / "model.safetensors"), metadata={"format": "pt"})
+    stopped = launch(1, run, *args, "train.iterations=3", check=False)
+    last = sorted((run / "checkpoints").glob("iter_*"))[-1]
+    assert stopped.returncode == 1 and stopped.stderr.strip().splitlines()[-1].startswith(
+        f"error: model.preset={preset} is not the preset {last} was trained from: model.safetensors changed (SHA-256 "), stopped.stderr[-2000:]
+
+    meta = json.loads((last / "meta.json").read_text())
+    del meta["preset"]  # as a checkpoint written before the fingerprint was recorded
+    (last / "meta.json").write_text(json.dumps(meta))
+    stopped = launch(1, run, *args, "train.iterations=3", check=False)
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert stopped.returncode == 1 and line.startswith(
+        f"error: model.preset={preset} is not the base model {last} was trained on: with the checkpoint's adapter, its merged weights "
+        "differ from policy/model.safetensors in 1 tensor(s), e.g. model.layers.0.self_attn.q_proj.weight: differs by up to 0.001"), stopped.stderr[-2000:]
+    assert f"model.preset={last / 'policy'}" in line
+    assert [r["step"] for r in _metrics(run) if r["step"] > 0] == [1, 2]  # the stopped resumes trained nothing
 
 
 @pytest.mark.processes

@@ -1,5 +1,5 @@
 """crl.provenance: the commit and dirty-tree flag of a checkout (run outputs do not count), 'unknown' outside git;
-the source hash that keys caches follows every byte of the package."""
+the source hash that keys caches follows every byte of the package; model.preset's fingerprint its model files."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -93,3 +93,28 @@ def test_crl_source_hash_is_the_code_this_process_loaded(tmp_path):
     assert again == first != on_disk  # edited while running: the key stays what the process loaded
     package, second, _, _ = run()  # the next process: the edited bytes
     assert package == str(copy) and second == on_disk != first
+
+
+def test_preset_fingerprint_follows_the_model_files_and_names_the_one_that_changed(tmp_path):
+    """model.preset by content: the same bytes give the same hash wherever they lie (a re-import); a file the model or
+    its tokenizer is built from changes it and is named; other files (a README, crl's import record) do not count; a
+    named preset has no files to hash."""
+    from crl.provenance import preset_fingerprint
+
+    a = tmp_path / "a"
+    a.mkdir()
+    for name, data in {"config.json": b"{}", "model.safetensors": b"weights", "tokenizer.json": b"tok", "chat_template.jinja": b"t",
+                       "README.md": b"notes", "crl_import.json": b"{}"}.items():
+        (a / name).write_bytes(data)
+    first = preset_fingerprint(str(a))
+    assert sorted(first["files"]) == ["chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json"]
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    (b / "README.md").write_bytes(b"other notes")
+    (b / "crl_import.json").write_bytes(b'{"source": "elsewhere"}')
+    assert preset_fingerprint(str(b))["sha256"] == first["sha256"]
+    (b / "model.safetensors").write_bytes(b"other weights")
+    changed = preset_fingerprint(str(b))
+    assert changed["sha256"] != first["sha256"]
+    assert [n for n in first["files"] if first["files"][n] != changed["files"][n]] == ["model.safetensors"]
+    assert preset_fingerprint("llama-tiny") == {"preset": "llama-tiny", "sha256": None, "files": {}}

@@ -57,3 +57,23 @@ def test_torchrl_quickstart_runs_compacts_and_trains(monkeypatch):
     assert "GRPOLoss" in block and "MCAdvantage" in block  # the swap is shown
     kinds = batch["segment_kind"].tolist()
     assert SegmentKind.SUMMARY in kinds, kinds  # the budget (Eq. 7) compacted the last batch's rollouts
+
+
+def test_the_readmes_old_import_path_still_loads_the_networks_with_a_warning():
+    """The TorchRL quickstart imported ``crl.modules.models`` before it became ``crl.modules.networks``: code copied from
+    it keeps working (the same objects) and is told the new name; nothing in crl imports the old one."""
+    import importlib
+    import sys
+    import warnings
+
+    from crl.modules import networks
+
+    sys.modules.pop("crl.modules.models", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("crl.modules.models")
+    assert any(issubclass(w.category, DeprecationWarning) and "crl.modules.networks" in str(w.message) for w in caught)
+    assert (old.ValueModel, old.actor_module, old.critic_module) == (networks.ValueModel, networks.actor_module, networks.critic_module)
+    assert "crl.modules.models" not in README
+    users = [p for p in (ROOT / "crl").rglob("*.py") if p != ROOT / "crl" / "modules" / "models.py" and "crl.modules.models" in p.read_text()]
+    assert not users, users

@@ -8,6 +8,8 @@
   damaged checkpoint, skipped.
 * ``Trainer._setup`` failing after the sampler started closes the sampler (a vLLM engine's processes) and frees the
   run directory.
+* A resume stops when ``model.preset``'s files are not those the checkpoint recorded, naming the preset and the file
+  (``checkpoint.resume=force`` continues with a warning); a LoRA run's merged weights: tests/test_lora.py.
 """
 from __future__ import annotations
 
@@ -257,6 +259,42 @@ def test_a_failure_while_another_rank_checks_the_choice_reaches_every_rank(tmp_p
     why = "PermissionError: [Errno 13] Permission denied: 'optimizer/actor_rank1.pt'"
     assert world.gathered == [(why, str(tmp_path))]
     assert str(err.value).startswith(f"rank 1 cannot resume from checkpoints/iter_000001, the checkpoint rank 0 chose ({tmp_path}): {why}; ")
+
+
+def test_a_resume_stops_when_model_preset_changed_since_the_checkpoint(tmp_path, capsys):
+    """RunCheckpoints.check_preset: the fingerprint the checkpoint recorded against the preset's files now. The same
+    files (a re-import of the same bytes) resume; a changed weight file stops the run naming model.preset, the file and
+    the fix; a checkpoint of an older crl (no record) is not compared; checkpoint.resume=force warns and continues."""
+    from crl.config import load_config
+    from crl.run_dir import RunDirError
+    from crl.training.checkpoints import RunCheckpoints
+
+    preset = tmp_path / "preset"
+    preset.mkdir()
+    (preset / "config.json").write_text("{}")
+    (preset / "model.safetensors").write_bytes(b"weights")
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_000000"
+
+    def checkpoints(*overrides):
+        return RunCheckpoints(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={tmp_path / 'run'}", f"model.preset={preset}", *overrides]), 0, 1)
+
+    first = checkpoints()
+    first.check_preset(None, None)  # a fresh run: hashed as it starts
+    meta = {"preset": first.preset}
+    assert meta["preset"]["sha256"] and set(meta["preset"]["files"]) == {"config.json", "model.safetensors"}
+    shutil.copytree(preset, tmp_path / "reimported")
+    shutil.rmtree(preset)
+    shutil.copytree(tmp_path / "reimported", preset)
+    checkpoints().check_preset(ckpt, meta)  # the same bytes: resumes
+    (preset / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(RunDirError, match=rf"model.preset={re.escape(str(preset))} is not the preset {re.escape(str(ckpt))} was trained from: "
+                                          r"model.safetensors changed \(SHA-256 \w{12}\.\.\. then, \w{12}\.\.\. now\).*Restore the directory.*"
+                                          rf"model.preset={re.escape(str(ckpt / 'policy'))}"):
+        checkpoints().check_preset(ckpt, meta)
+    checkpoints().check_preset(ckpt, {"iteration": 0})  # an older crl's checkpoint: nothing recorded, nothing compared
+    capsys.readouterr()
+    checkpoints("checkpoint.resume=force").check_preset(ckpt, meta)
+    assert "warning: model.preset=" in capsys.readouterr().out
 
 
 def test_a_failed_setup_closes_the_sampler_and_frees_the_run_dir(tmp_path, monkeypatch):

@@ -143,7 +143,7 @@ def test_the_learners_log_probs_are_the_specs_on_every_path(monkeypatch, top_p):
     """Issue 40 item 6: CausalLMLogProbs forms its log-probs through SamplingSpec.log_probs, on the chunked top_p = 1
     path too, and suppression happens there only (the spec receives the model's raw logits). A spec whose
     distribution is changed (one token's logit raised) must change the learner's log-probs the same way."""
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     lm, seen = _tiny_lm(), []
     real = SamplingSpec.log_probs
@@ -160,10 +160,25 @@ def test_the_learners_log_probs_are_the_specs_on_every_path(monkeypatch, top_p):
     with torch.no_grad():
         lp, _ = actor(tokens, torch.ones_like(tokens))
         want = spec.log_probs(lm(tokens).logits)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    want = torch.where(torch.isneginf(want), torch.full_like(want, actor.OUTSIDE_TOP_P_LOG_PROB), want)
+    want = torch.where(torch.isneginf(want), torch.full_like(want, actor.EXCLUDED_LOG_PROB), want)
     torch.testing.assert_close(lp[:, 1:], want, atol=1e-6, rtol=0)
     # suppression is the spec's alone: the logits it is given still hold the suppressed ids' values
     assert seen and all(torch.isfinite(x[..., [3, 4]]).all() for x in seen[:-1])
+
+
+def test_a_suppressed_id_gets_the_excluded_log_prob_without_any_top_p_cut():
+    """A suppressed id (padding in the context) is excluded at top_p = 1 too: its log-prob is the finite
+    EXCLUDED_LOG_PROB (named for both reasons a token cannot be drawn), every other token's is the spec's."""
+    from crl.modules.networks import CausalLMLogProbs
+
+    lm = _tiny_lm()
+    actor = CausalLMLogProbs(lm, 1.0, 1.0, suppress_ids=(3,))
+    tokens = torch.tensor([[5, 3, 9, 3, 12, 7]])
+    with torch.no_grad():
+        lp, ent = actor(tokens, torch.ones_like(tokens))
+    suppressed = tokens[0, 1:] == 3
+    assert (lp[0, 1:][suppressed] == CausalLMLogProbs.EXCLUDED_LOG_PROB).all()
+    assert (lp[0, 1:][~suppressed] > CausalLMLogProbs.EXCLUDED_LOG_PROB).all() and torch.isfinite(ent).all()
 
 
 @pytest.mark.parametrize("top_p", [0.8, 0.95])
@@ -173,11 +188,11 @@ def test_nucleus_log_probs_equal_transformers_own_processors(top_p, temperature)
     through it) against an independent computation, transformers' own logits processors as ``generate`` chains them
     (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper), at every position of a tiny model:
     the same tokens kept and the same log-probs; the learner reports a token outside the nucleus as
-    OUTSIDE_TOP_P_LOG_PROB and its entropy is the truncated distribution's."""
+    EXCLUDED_LOG_PROB and its entropy is the truncated distribution's."""
     from transformers.generation.logits_process import (LogitsProcessorList, SuppressTokensLogitsProcessor,
                                                         TemperatureLogitsWarper, TopPLogitsWarper)
 
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     lm, suppress = _tiny_lm(), (3, 4)
     processors = LogitsProcessorList([SuppressTokensLogitsProcessor(list(suppress)), TemperatureLogitsWarper(temperature),
@@ -210,10 +225,10 @@ def test_nucleus_log_probs_equal_transformers_own_processors(top_p, temperature)
         with torch.no_grad():
             lp, ent = actor(seq, torch.ones_like(seq))
         want = hf.gather(-1, seq[:, 1:, None]).squeeze(-1)
-        want = torch.where(torch.isneginf(want), torch.full_like(want, actor.OUTSIDE_TOP_P_LOG_PROB), want)
+        want = torch.where(torch.isneginf(want), torch.full_like(want, actor.EXCLUDED_LOG_PROB), want)
         torch.testing.assert_close(lp[:, 1:], want, atol=1e-5, rtol=0)
         torch.testing.assert_close(ent[:, 1:], -(hf.exp() * hf.masked_fill(torch.isneginf(hf), 0.0)).sum(-1), atol=1e-5, rtol=0)
-    assert (lp[:, 1:] > actor.OUTSIDE_TOP_P_LOG_PROB).all()  # drawn tokens: all inside the nucleus
+    assert (lp[:, 1:] > actor.EXCLUDED_LOG_PROB).all()  # drawn tokens: all inside the nucleus
 
 
 def test_ignored_generation_keys_name_what_shapes_sampling_only():
@@ -293,7 +308,7 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
 
 def mismatched_temperature_kl(trainer, batch, factor: float) -> float:
     """approx_kl of ``batch`` re-scored by the trainer's learner (its autocast) with its temperature times ``factor``."""
-    from crl.modules.models import CausalLMLogProbs
+    from crl.modules.networks import CausalLMLogProbs
 
     (learner,) = [m for m in trainer.actor.modules() if isinstance(m, CausalLMLogProbs)]
     spec = learner.sampling

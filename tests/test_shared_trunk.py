@@ -19,7 +19,7 @@ from tensordict.nn import TensorDictModule
 
 from crl.config import ConfigValidationError, load_config
 from crl.learner import PrefixSharedForward
-from crl.modules.models import CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
+from crl.modules.networks import CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
 from crl.objectives import CompactionPPOLoss
 from crl.sampling import SamplingSpec
 

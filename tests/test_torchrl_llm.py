@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from crl.compaction import CompactionConfig, ConfigError
 from crl.episode import Provenance, SegmentKind, EpisodeStatus
 from crl.modules.byte_tokenizer import byte_chat_tokenizer
-from crl.modules.models import actor_module
+from crl.modules.networks import actor_module
 from crl.torchrl_llm import CompactionTransform, to_episodes
 
 from _chat_suite import EchoTool, FinalAnswerReward
@@ -129,7 +129,7 @@ def test_summary_turns_run_no_tool_and_resume_holds_the_summary_and_the_tail(rol
 
 
 def test_rescored_log_probs_give_ratio_one_and_summary_gradients(rollout, tok, lm):
-    from crl.modules.models import ValueModel, critic_module
+    from crl.modules.networks import ValueModel, critic_module
     from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 
     actor = actor_module(lm)
@@ -435,7 +435,7 @@ def test_log_prob_actor_wraps_a_torchrl_wrapper_as_crls_actor(rollout, tok, lm):
     """CompactionPPOLoss with a TorchRL TransformersWrapper (log-prob mode over crl's rows) as its actor: the same
     per-token log-probs as crl's own actor (temperature 1), so the first PPO ratio is exactly 1."""
     from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
-    from crl.modules.models import ValueModel, critic_module
+    from crl.modules.networks import ValueModel, critic_module
     from crl.torchrl_llm import LogProbActor
 
     wrapper = TransformersWrapper(lm, tokenizer=tok, input_mode="tokens", input_key="tokens", attention_mask_key="attention_mask",
@@ -510,7 +510,7 @@ def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
     from _chat_suite import EchoSuite
 
     from crl.modules.backends import make_backend
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.sampling import seeded_torch_rng
     from crl.torchrl_llm.collector import ChatCollector
 

@@ -47,7 +47,7 @@ def tiny_checkpoint(path):
     """The default config's model (llama-mini, the project tokenizer) saved as a local checkpoint directory: both
     ZeRO stages then start from the same weights (a preset built under zero.Init is initialised in another order)."""
     from crl.builders import build_tokenizer
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
 
     cfg = load_config(ROOT / "configs" / "default.yaml")
     codec = build_tokenizer(cfg)

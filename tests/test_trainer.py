@@ -337,7 +337,7 @@ def test_curriculum_compaction_steps_are_checked_at_load(stage, match):
 
 def test_local_checkpoint_with_its_own_tokenizer(tmp_path):
     """model.preset = a local directory: weights and tokenizer come from it (no hub); one iteration runs."""
-    from crl.modules.models import build_causal_lm
+    from crl.modules.networks import build_causal_lm
     from crl.modules.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
@@ -372,7 +372,7 @@ def test_loading_a_config_builds_no_model(tmp_path):
     import sys
 
     code = ("import sys; from crl.config import load_config; load_config('configs/default.yaml');"
-            "print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'crl.modules.models') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'crl.modules.networks') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -11,7 +11,7 @@ from tensordict.nn import TensorDictModule
 from crl.compaction import CompactionConfig, CompactionEngine
 from crl.envs import MemoryChainSuite
 from crl.episode import Provenance
-from crl.modules.models import CausalLMLogProbs, build_causal_lm
+from crl.modules.networks import CausalLMLogProbs, build_causal_lm
 from crl.modules.tokenizer import decode, encode, load_tokenizer
 from crl.prompts import EOS
 from crl.warm_start import WarmStartError, demonstration_batch, warm_start
@@ -242,11 +242,12 @@ def test_balanced_content_adds_the_batch_imbalance_of_the_codes():
         assert float(nll_loss(actor, batch, balance=True) - nll_loss(actor, batch)) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_the_cache_key_covers_the_code_the_precision_and_the_kernel_path(tmp_path, monkeypatch):
+def test_the_cache_key_covers_the_code_the_libraries_the_precision_and_the_kernel_path(tmp_path, monkeypatch):
     """warm_start_cached reuses an entry only for the same inputs *and* the same code (a hash of crl's sources), the
-    same precision (parameter dtype, autocast) and the same torch CPU kernel path; each change computes anew, and the
-    entry's inputs.json says what the key stood for."""
+    same transformers and peft versions, the same precision (parameter dtype, autocast) and the same torch CPU kernel
+    path; each change computes anew, and the entry's inputs.json says what the key stood for."""
     import copy
+    import importlib.metadata
     import json
 
     from crl.warm_start import demonstrations
@@ -275,10 +276,21 @@ def test_the_cache_key_covers_the_code_the_precision_and_the_kernel_path(tmp_pat
         m.setattr(demonstrations, "crl_source_hash", lambda: "0" * 64)
         run(model)
     assert len(calls) == 5  # other code
+    for library in ("transformers", "peft"):
+        with monkeypatch.context() as m:
+            real = importlib.metadata.version
+            m.setattr(importlib.metadata, "version", lambda name, library=library: "0.0.other" if name == library else real(name))
+            run(model)
+    assert len(calls) == 7  # another transformers, another peft
     run(model)
-    assert len(calls) == 5  # and the first entry is still there
+    assert len(calls) == 7  # and the first entry is still there
     keyed = [json.loads((e / "inputs.json").read_text()) for e in tmp_path.iterdir() if e.is_dir()]
-    assert len(keyed) == 5 and all(k["seed"] == 0 for k in keyed)
+    assert len(keyed) == 7 and all(k["seed"] == 0 for k in keyed)
+    import peft
+    import transformers
+
+    assert {k["libraries"]["transformers"] for k in keyed} == {transformers.__version__, "0.0.other"}
+    assert {k["libraries"]["peft"] for k in keyed} == {peft.__version__, "0.0.other"}
     assert {k["precision"]["dtype"] for k in keyed} == {"torch.float32", "torch.bfloat16"}
     assert {k["precision"]["autocast"] for k in keyed} == {None, "torch.bfloat16"}
     assert {k["kernels"] for k in keyed} == {torch.backends.cpu.get_cpu_capability(), "ANOTHER"}

@@ -35,7 +35,7 @@ Layout assumed (written by the trainer; the evidence part is ``crl/evidence.py``
       checkpoints/iter_MMMMMM/            post-update checkpoint, M >= N (crl/training/checkpoints.py)
         policy/                           a transformers checkpoint directory of the policy (config.json,
                                           model.safetensors, tokenizer): AutoModelForCausalLM.from_pretrained
-        critic.safetensors                state dict of crl.modules.models.ValueModel: backbone.* (the
+        critic.safetensors                state dict of crl.modules.networks.ValueModel: backbone.* (the
                                           AutoModel.from_config(policy config) backbone) + value_head.weight/bias
                                           (only value_head.* when the critic shares the policy's backbone)
         meta.json                         {"iteration": M, ...}

@@ -20,7 +20,7 @@ def load_checkpoint(path: Path) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoModel, AutoModelForCausalLM
 
-    from crl.modules.models import ValueModel
+    from crl.modules.networks import ValueModel
 
     info = {}
     actor, loading = AutoModelForCausalLM.from_pretrained(path / "policy", local_files_only=True, output_loading_info=True)

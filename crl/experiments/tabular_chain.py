@@ -79,7 +79,7 @@ from crl.compaction import CompactionConfig
 from crl.envs.memory_chain import NOUNS, MemoryChainSuite
 from crl.episode import EpisodeStatus, Provenance
 from crl.modules.generation import Generation
-from crl.modules.models import MODEL_IN_KEYS, critic_module
+from crl.modules.networks import MODEL_IN_KEYS, critic_module
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE
 from crl.sampling import SamplingSpec
 

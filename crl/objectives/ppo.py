@@ -180,7 +180,7 @@ class CompactionPPOLoss(LossModule):
     @property
     def shared_network(self) -> bool:
         """Whether the actor and the critic are one network (it writes ``log_prob`` and ``state_value``): it runs once per
-        call and the losses add up in one backward (:class:`crl.modules.models.PolicyValueLM`)."""
+        call and the losses add up in one backward (:class:`crl.modules.networks.PolicyValueLM`)."""
         return self.actor_network is not None and self.critic_network is self.actor_network
 
     @property

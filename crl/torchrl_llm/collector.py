@@ -35,7 +35,7 @@ from crl.collectors.compaction_collector import EpisodeStream, EpisodeSummary
 from crl.compaction import CompactionConfig
 from crl.episode import EpisodeStatus, Provenance, Segment, SegmentKind, build_episode, concat_episodes, validate_episodes
 from crl.streams import stream_seed
-from crl.modules.models import actor_module
+from crl.modules.networks import actor_module
 from crl.sampling import SamplingSpec, seeded_torch_rng, warn_ignored_generation_keys
 from crl.torchrl_llm.convert import to_episodes
 from crl.torchrl_llm.prefix_cache import EpisodePrefixCache

@@ -1,7 +1,7 @@
 """The parts :class:`crl.trainer.Trainer` is made of, one concept each (docs/design.md §12, "The trainer's parts"):
 
 * :mod:`crl.training.accelerator` — accelerate / DeepSpeed set-up and the collectives over data-parallel ranks;
-* :mod:`crl.training.models` — :class:`LearnerModels`: the policy, the critic, the frozen copy, their optimizers
+* :mod:`crl.training.models` — :class:`LearnerModels`: the policy, the critic, the frozen summariser, their optimizers
   and engines (the ZeRO stage and critic-free branches live here);
 * :mod:`crl.training.sampler` — :class:`Sampler`: the generation backends, the weight sync and ``policy_version``
   (the backend branch lives here);

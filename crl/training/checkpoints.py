@@ -14,7 +14,7 @@ Layout of ``RUN_DIR/checkpoints/iter_NNNNNN/`` (built under a temporary name, re
                              adapter_model.safetensors; ``PeftModel.from_pretrained(base, dir)`` loads it), the frozen
                              summariser's in ``policy_adapter/frozen/``; what a resume restores onto ``model.preset``
     frozen_policy/           frozen-summary runs without LoRA only: the frozen summariser, in the same format as policy/
-    critic.safetensors       the critic (:class:`crl.modules.models.ValueModel`: ``backbone.*`` + ``value_head.*``; its
+    critic.safetensors       the critic (:class:`crl.modules.networks.ValueModel`: ``backbone.*`` + ``value_head.*``; its
                              architecture is ``policy/config.json``; only ``value_head.*`` when it shares the backbone;
                              with LoRA, merged: what the audit loads)
     critic_trained.safetensors  LoRA with a critic of its own (not ``model.share_critic_backbone``) only: the critic's
@@ -24,7 +24,8 @@ Layout of ``RUN_DIR/checkpoints/iter_NNNNNN/`` (built under a temporary name, re
                              every rank: one process or DDP) or ``actor_rank{R}.pt`` / ``critic_rank{R}.pt`` (DeepSpeed:
                              rank R's ZeRO partition, its fp32 master weights included)
     trainer_state.pt         iteration, curriculum stage, per-rank collector counters, sampler and RNG states
-    meta.json                iteration, stage, world size, optimizer layout, the config, SHA-256 manifest (written last)
+    meta.json                iteration, stage, world size, optimizer layout, the config, ``preset`` (``model.preset`` by
+                             content: :func:`crl.provenance.preset_fingerprint`), SHA-256 manifest (written last)
 
 Each model is stored once: no second copy of the weights in a framework's own format (DeepSpeed's ZeRO optimizer
 partitions hold fp32 master weights, which are optimizer state: with bf16 training they are not the saved weights).
@@ -35,6 +36,7 @@ an iteration's evidence is already on disk when it happens.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -48,6 +50,7 @@ from torch import nn
 from crl.config import Config, to_dict
 from crl.evidence import checkpoint_dir, write_evidence
 from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_write_text, commit_dir, current_umask
+from crl.provenance import preset_fingerprint
 from crl.run_dir import RunDirError, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 
 __all__ = ["RunCheckpoints", "read_by_rank", "POLICY_DIR", "FROZEN_POLICY_DIR", "CRITIC_FILE", "OPTIMIZER_DIR", "WEIGHTS_FILE", "save_model_dir",
@@ -283,6 +286,58 @@ class RunCheckpoints:
                               f"partitions the optimizer state per process; relaunch with {was} processes, or start a new run_dir "
                               f"with model.preset={checkpoint / POLICY_DIR}")
 
+    @functools.cached_property
+    def preset(self) -> dict:
+        """``model.preset`` by content (:func:`crl.provenance.preset_fingerprint`), hashed once per run (rank 0); every
+        checkpoint's ``meta.json`` records it."""
+        return preset_fingerprint(self.cfg.model.preset)
+
+    def check_preset(self, checkpoint: Path | None, meta: dict | None) -> None:
+        """Rank 0 hashes ``model.preset`` as the run starts (:attr:`preset`) and, resuming from ``checkpoint``, refuses a
+        preset whose files are not those its ``meta.json`` recorded (re-imported with other bytes, or edited since): the
+        base weights a LoRA run restores its adapter onto, the config and tokenizer of every run. Every rank gets rank
+        0's verdict, as one line. Not compared: a checkpoint of an older crl (no record) and a named preset (no
+        files; a LoRA resume compares the merged weights themselves: :meth:`crl.training.models.LearnerModels.load`).
+        ``checkpoint.resume=force`` reports a changed preset and continues."""
+        verdict = None
+        if self.is_main:
+            try:
+                self.preset  # hashed now, as the run starts: what every checkpoint records
+                changes = self._preset_changes(meta.get("preset")) if meta is not None else []
+                if changes:
+                    verdict = ("changed", f"model.preset={self.cfg.model.preset} is not the preset {checkpoint} was trained from: "
+                                          + "; ".join(changes) + " (re-imported with other bytes, or edited since?)")
+            except Exception as err:
+                verdict = ("unreadable", f"cannot hash model.preset={self.cfg.model.preset}: {_one_line(err)}")
+        [verdict] = self._from_rank0([verdict])
+        if verdict is None:
+            return
+        kind, line = verdict
+        if kind == "changed" and self.cfg.checkpoint.resume == "force":
+            if self.is_main:
+                print(f"warning: {line}; checkpoint.resume=force: continuing with it as it is now")
+            return
+        if kind == "changed":
+            line += (f". Restore the directory as it was, or start a new run_dir with model.preset={checkpoint / POLICY_DIR} (the trained "
+                     "weights); checkpoint.resume=force continues with the preset as it is now (a LoRA run still stops if its base "
+                     "weights differ)")
+        raise RunDirError(line)
+
+    def _preset_changes(self, recorded) -> list[str]:
+        """What differs between the ``preset`` a checkpoint recorded and :attr:`preset` (one entry per file); [] when
+        nothing was recorded (an older crl) or it was a named preset."""
+        if not isinstance(recorded, dict) or recorded.get("sha256") is None:
+            return []
+        now = self.preset
+        if now["sha256"] == recorded["sha256"]:
+            return []
+        if now["sha256"] is None:
+            return [f"the checkpoint recorded the directory {recorded.get('preset')}, this run names the built preset {now['preset']}"]
+        before, after = recorded.get("files") or {}, now["files"]
+        return [f"{name} {'is new' if name not in before else 'is gone' if name not in after else 'changed'}"
+                + (f" (SHA-256 {before[name][:12]}... then, {after[name][:12]}... now)" if name in before and name in after else "")
+                for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)] or ["the files' SHA-256 changed"]
+
     def remove_partial_writes(self) -> None:
         """Rank 0: remove the temporary checkpoint and evidence directories a run killed mid-write left."""
         if self.is_main:
@@ -329,7 +384,7 @@ class RunCheckpoints:
             if self.is_main:
                 atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": state["stage"], "world_size": self.world,
                                                       "optimizer": models.optimizer_layout(), "config": to_dict(self.cfg),
-                                                      "files": file_manifest(tmp)})
+                                                      "preset": self.preset, "files": file_manifest(tmp)})
                 commit_dir(tmp, final)
         except BaseException as err:
             if self.is_main:

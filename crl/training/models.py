@@ -1,8 +1,8 @@
-"""The learner's models: the policy, the critic, the frozen summariser copy, their optimizers and engines.
+"""The learner's models: the policy, the critic, the frozen summariser, their optimizers and engines.
 
 Decided once, here: plain accelerate or two DeepSpeed engines (actor, critic) and their ZeRO stage, a critic or
 none (``algo.estimator=group``), prefix-shared or padded forwards (:mod:`crl.learner`). The rest of the trainer
-sees ``actor`` / ``critic`` (``TensorDictModule`` s over :data:`crl.modules.models.MODEL_IN_KEYS`, or their
+sees ``actor`` / ``critic`` (``TensorDictModule`` s over :data:`crl.modules.networks.MODEL_IN_KEYS`, or their
 prefix-shared forwards), ``actor_model`` / ``critic_model`` (what the optimizers step) and the optimizers.
 """
 from __future__ import annotations
@@ -17,10 +17,11 @@ from tensordict.nn import TensorDictModule
 from crl.training import checkpoints as ckpt_files
 from crl.config import Config, ConfigValidationError
 from crl.io import atomic_torch_save
+from crl.run_dir import RunDirError
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
-from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_state_dict,
-                              save_adapter, trainable_state_dict)
-from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
+from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_differences,
+                              merged_state_dict, save_adapter, trainable_state_dict)
+from crl.modules.networks import MODEL_IN_KEYS, CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
 from crl.modules.zero3 import copy_parameters_, zero3_init
 from crl.training.accelerator import deepspeed_stage, optimizer_layout
 
@@ -49,7 +50,7 @@ def build_policy_lm(cfg: Config, codec, ds_config: dict | None):
 
 class LearnerModels:
     """The (warm-started) policy ``lm``, the critic initialised from it (the paper's init; none when
-    ``algo.estimator=group``), the frozen copy (``algo.frozen_summary``), Adam for each, prepared by accelerate or as
+    ``algo.estimator=group``), the frozen summariser (``algo.frozen_summary``), Adam for each, prepared by accelerate or as
     DeepSpeed engines. ``spec``: the sampling distribution the actor's log-probs are taken under (crl/sampling.py)."""
 
     def __init__(self, cfg: Config, lm, spec, accelerator, ds_config: dict | None, device):
@@ -76,7 +77,7 @@ class LearnerModels:
         if cfg.model.gradient_checkpointing:
             for net in filter(None, (actor_net, critic_net)):
                 enable_gradient_checkpointing(net)
-        self.frozen_lm = self._frozen_copy() if cfg.algo.frozen_summary else None
+        self.frozen_lm = self._frozen_summariser() if cfg.algo.frozen_summary else None
         critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay) if critic_net is not None else None
         self.critic_model = self.critic_opt = None
         if self.use_ds:  # two engines from one DeepSpeed JSON (docs/design.md §9)
@@ -105,11 +106,12 @@ class LearnerModels:
         if self.shared_trunk:  # the critic is the actor: one module writes log-probs, entropies and values
             self.critic = self.actor
 
-    def _frozen_copy(self):
-        """The frozen-summary policy: a plain copy of the (warm-started) actor, the same on every rank. Under ZeRO-3 it
-        is filled one module at a time from the partitioned actor, but it is a full plain model on every rank (the
-        frozen sampler does not run through an engine). With LoRA: the policy's base weights with a frozen copy of its
-        adapter (crl/modules/lora.py; no copy of the model)."""
+    def _frozen_summariser(self):
+        """The model that writes summaries in the frozen-summary arm, as the (warm-started) policy is now and stays.
+        Without LoRA a frozen copy of the actor, the same on every rank (under ZeRO-3 filled one module at a time from
+        the partitioned actor, but a full plain model on every rank: the frozen sampler does not run through an
+        engine). With LoRA no copy of the model: a :class:`~crl.modules.lora.FrozenAdapterLM`, the policy's own base
+        weights with a frozen copy of its adapter (crl/modules/lora.py)."""
         if is_lora(self.lm):
             return FrozenAdapterLM(self.lm)
         if not self.stage3:
@@ -173,10 +175,13 @@ class LearnerModels:
 
     def load(self, checkpoint: Path, rank: int, world: int) -> None:
         """Restore the weights and optimizer states :meth:`save` wrote (this rank's ZeRO partition under DeepSpeed: the
-        fp32 masters come from it, the working weights from the weight files)."""
+        fp32 masters come from it, the working weights from the weight files). With LoRA the adapter goes onto
+        ``model.preset``'s base weights, and the result must be the policy the checkpoint holds
+        (:meth:`_check_merged_policy`)."""
         acc = self.accelerator
         if is_lora(self.lm):  # the base weights are model.preset's; the adapter is what was trained
             load_adapter_(self.lm, checkpoint / ADAPTER_DIR)
+            self._check_merged_policy(checkpoint, world)
         else:
             ckpt_files.load_weights_(acc.unwrap_model(self.actor_model).lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
         critic = acc.unwrap_model(self.critic_model) if self.critic_model is not None else None
@@ -199,3 +204,28 @@ class LearnerModels:
                 model.global_steps, model.global_samples, model.skipped_steps = mine["global_steps"], mine["global_samples"], mine["skipped_steps"]
             else:
                 opt.load_state_dict(torch.load(checkpoint / ckpt_files.optimizer_file(name, None), map_location="cpu", weights_only=True))
+
+    def _check_merged_policy(self, checkpoint: Path, world: int) -> None:
+        """Stop a LoRA resume whose policy is not the checkpoint's: the base weights come from ``model.preset``, rebuilt
+        (only the adapter is in the checkpoint), so a preset re-imported or changed since, or built otherwise (a named
+        preset under another transformers), would continue training other weights, silently. The merge of the loaded
+        adapter onto them must equal ``policy/model.safetensors`` (:func:`crl.modules.lora.merged_differences`: bit-equal,
+        or within the merge's float rounding bound for adapted layers). Every rank checks its own model and every rank
+        stops with the same line when one differs."""
+        try:
+            differences = merged_differences(self.lm, checkpoint / ckpt_files.POLICY_DIR / ckpt_files.WEIGHTS_FILE)
+        except Exception as err:  # the other ranks wait in the gather below: a failure is a difference they hear of
+            differences = [f"cannot compare: {' '.join(f'{type(err).__name__}: {err}'.split())}"]
+        every = [differences]
+        if world > 1 and torch.distributed.is_initialized():
+            every = [None] * world
+            torch.distributed.all_gather_object(every, differences)
+        failed = [(r, lines) for r, lines in enumerate(every) if lines]
+        if failed:
+            r, lines = failed[0]
+            where = f" (rank {r}{f' and {len(failed) - 1} more' if len(failed) > 1 else ''})" if world > 1 else ""
+            raise RunDirError(
+                f"model.preset={self.cfg.model.preset} is not the base model {checkpoint} was trained on{where}: with the checkpoint's adapter, "
+                f"its merged weights differ from {ckpt_files.POLICY_DIR}/{ckpt_files.WEIGHTS_FILE} in {len(lines)} tensor(s), e.g. "
+                + "; ".join(lines[:2]) + ". The preset was re-imported or changed since, or is built otherwise (another transformers?): "
+                f"restore it, or start a new run_dir with model.preset={checkpoint / ckpt_files.POLICY_DIR} (the trained policy, merged)")

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from crl.config import Config
 from crl.episode import SegmentKind
 from crl.learner import microbatch_rows, placeholder_row, plan_forward
-from crl.modules.models import MODEL_IN_KEYS
+from crl.modules.networks import MODEL_IN_KEYS
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage
 from crl.objectives.distributed import all_reduce_sum
 from crl.training.accelerator import mean_over_ranks

@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import math
 import random
@@ -340,16 +341,28 @@ def cache_key(inputs: dict, model: torch.nn.Module) -> tuple[str, dict]:
       (:func:`crl.provenance.crl_source_hash`). By content, not the commit: an uncommitted edit counts, a commit of
       docs or results does not, and it works without ``.git``. The whole package, since the warm start reads most of
       it (models, envs, compaction, prompts, tokenizer) and a hand-kept list would miss a dependency silently.
-    * ``torch``: its version; ``precision``: the parameter dtype, the device type, the autocast dtype when on;
+    * ``torch``: its version; ``libraries``: the installed versions of ``transformers`` (the model's own code: its
+      layers, attention, initialisation) and ``peft`` (the LoRA layers), whether or not this model uses peft (one
+      key for every model; a peft upgrade recomputes a warm start without adapters once); ``precision``: the
+      parameter dtype, the device type, the autocast dtype when on;
     * ``kernels``: ``torch.backends.cpu.get_cpu_capability()``, the ATen CPU kernel path (``ATEN_CPU_CAPABILITY``).
 
     KEY: the first 20 hex digits of the SHA-256 of ``keyed`` as sorted JSON."""
     param = next(model.parameters())
     device = param.device.type
-    keyed = {**inputs, "code": crl_source_hash(), "torch": torch.__version__, "kernels": torch.backends.cpu.get_cpu_capability(),
+    keyed = {**inputs, "code": crl_source_hash(), "torch": torch.__version__, "libraries": {name: _installed(name) for name in ("transformers", "peft")},
+             "kernels": torch.backends.cpu.get_cpu_capability(),
              "precision": {"dtype": str(param.dtype), "device": device,
                            "autocast": str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None}}
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()[:20], keyed
+
+
+def _installed(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (None: not installed), read from its metadata without importing it."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, compute: Callable, log: Callable[[dict, int], None],
@@ -359,8 +372,8 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
 
     The ablation arms of one seed share everything the warm start reads (model, task, compaction, prompt,
     warm-start settings, seed) and differ only in what happens after it, so a study computes each seed's warm
-    start once. The entry ``cache_dir/KEY`` (KEY: :func:`cache_key`, of ``inputs``, the code, precision and kernel
-    path) holds ``inputs.json`` (what the key stands for), ``state.pt`` (the weights, the last NLL and the torch CPU RNG state after the warm
+    start once. The entry ``cache_dir/KEY`` (KEY: :func:`cache_key`, of ``inputs``, the code, library versions, precision
+    and kernel path) holds ``inputs.json`` (what the key stands for), ``state.pt`` (the weights, the last NLL and the torch CPU RNG state after the warm
     start) and ``log.json`` (the ``(metrics, step)`` lines it logged). A hit loads the weights, restores the RNG
     state and replays the lines into ``log``, so the run continues bit-identically to one that computed it
     (tests/test_trainer.py). The entry is written atomically; an ``flock`` on ``cache_dir/KEY.lock`` makes a
@@ -389,7 +402,7 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
             for metrics, step in json.loads((entry / "log.json").read_text()):
                 log(metrics, step)
             if report is not None:
-                report(f"warm start: reused the failed one of {entry} (same model, task, warm-start settings, seed, code, precision and kernels)")
+                report(f"warm start: reused the failed one of {entry} (same model, task, warm-start settings, seed, code, libraries, precision and kernels)")
             raise WarmStartError((entry / "error.txt").read_text())
         if (entry / "state.pt").is_file() and (entry / "log.json").is_file():
             device = next(model.parameters()).device
@@ -399,7 +412,7 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
             for metrics, step in json.loads((entry / "log.json").read_text()):
                 log(metrics, step)
             if report is not None:
-                report(f"warm start: reused {entry} (same model, task, warm-start settings, seed, code, precision and kernels)")
+                report(f"warm start: reused {entry} (same model, task, warm-start settings, seed, code, libraries, precision and kernels)")
             return float(state["nll"])
         partial, lines, resume = cache_dir / f"{key}.partial.pt", [], None
 

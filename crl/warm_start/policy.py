@@ -13,7 +13,7 @@ from tensordict.nn import TensorDictModule
 
 from crl.builders import build_compaction_config, build_suite
 from crl.config import Config, to_dict
-from crl.modules.models import MODEL_IN_KEYS, CausalLMLogProbs
+from crl.modules.networks import MODEL_IN_KEYS, CausalLMLogProbs
 from crl.training.accelerator import deepspeed_stage, mean_scalar_over_ranks
 from crl.warm_start.demonstrations import WarmStartError, warm_start, warm_start_cached
 

