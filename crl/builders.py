@@ -34,8 +34,10 @@ def build_suite(cfg, stage=None):
         return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent, seed=e.seed, extra_steps=e.extra_steps,
                                  early_submit=e.early_submit, invalid_command=e.invalid_command)
     n = e.n_records if length is None else length
-    return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, seed=e.seed, extra_steps=e.extra_steps,
-                                  early_submit=e.early_submit, invalid_command=e.invalid_command)
+    return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, n_values=e.n_values, seed=e.seed,
+                                  extra_steps=e.extra_steps, early_submit=e.early_submit, invalid_command=e.invalid_command,
+                                  question_not_in_last=e.question_not_in_last,
+                                  compaction_steps=(e.compact_after_step,) if e.compact_after_step else ())
 
 
 def eval_share(episodes: int, rank: int, world: int) -> int:

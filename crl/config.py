@@ -105,6 +105,12 @@ class EnvConfig:
     n_records: int = 4  # sequential records
     distractor_rate: float = 0.25
     n_keys: int = 2
+    n_values: int = 10  # sequential records: values 0 .. n_values - 1 (a guess is right 1 / n_values of the time)
+    # sequential records: the asked key's final write is never among the last m records (crl/envs/sequential_records.py)
+    question_not_in_last: int = 0
+    # sequential records: a compaction forced right after the atomic step of this number (n_records: after the last
+    # record, before the question; with invalid_command=fail no action can move it); null: the Eq. 7 budget alone
+    compact_after_step: Optional[int] = None
     extra_steps: int = 4
     seed: int = 0
     step_timeout_s: Optional[float] = None  # an environment step (or reset) slower than this ends its episode FAILED
@@ -431,6 +437,11 @@ def validate(cfg: Config) -> None:
     for key in ("length", "n_facts", "n_records", "n_keys"):
         _need(getattr(e, key) >= 1, f"env.{key}", f"must be >= 1, got {getattr(e, key)}")
     _need(e.extra_steps >= 0, "env.extra_steps", f"must be >= 0, got {e.extra_steps}")
+    _need(2 <= e.n_values <= 10, "env.n_values", f"must be in [2, 10] (one-digit values), got {e.n_values}")
+    _need(0 <= e.question_not_in_last < e.n_records, "env.question_not_in_last", f"must be in [0, env.n_records={e.n_records}), got {e.question_not_in_last}")
+    _need(e.name == "sequential_records" or (e.n_values == 10 and e.question_not_in_last == 0 and e.compact_after_step is None),
+          "env.n_values/question_not_in_last/compact_after_step", f"are sequential_records knobs; env.name is {e.name}")
+    _need(e.compact_after_step is None or e.compact_after_step >= 1, "env.compact_after_step", f"must be >= 1 or null, got {e.compact_after_step}")
     _need(0.0 <= e.distractor_rate <= 1.0, "env.distractor_rate", f"must be in [0, 1], got {e.distractor_rate}")
     _need(e.step_timeout_s is None or e.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0 seconds or null, got {e.step_timeout_s}")
     _need(e.factory is None or e.name in ("custom", "torchrl_chat"), "env.name", f"env.factory={e.factory!r} builds your own suite: set env.name=custom (got {e.name})")

@@ -1,20 +1,12 @@
 #!/usr/bin/env python
-"""What partial summaries are worth on a sequential-records task: the success a reader that reads its summary
-perfectly would reach if the summary kept only part of what the question may need.
+"""What partial summaries are worth on a sequential-records task: every shortcut's exact price per split
+(crl/experiments/records_shortcuts.py says what each keeps and how it is read).
 
-    python scripts/records_shortcuts.py --config configs/lm_lora/joint.yaml [--set KEY=VALUE ...] [--out FILE.json]
+    python scripts/records_shortcuts.py --config configs/lm_keep/joint.yaml [--set KEY=VALUE ...] [--out FILE.json]
 
-Per split (every task of it, exact; no model, no sampling), the probability that the submitted value is the answer:
-
-* ``guess``: keep nothing, submit a uniform value: ``1 / n_values``.
-* ``last_value``: keep only the value the last update record wrote, no key; submit it. Succeeds when the asked key
-  was written last, or its final value happens to equal that value. The task's recency shortcut.
-* ``last_two_values``: keep the values of the last two update records, no keys; submit one of them uniformly (the
-  expectation over that choice; one value when they are equal).
-* ``everything``: keep every key with its current value (the correct summary): 1.
-
-A learned summary policy that scores near ``last_value`` may have learned recency, not which value belongs to which
-key; a gate that a recency code passes cannot tell the two apart.
+Prints one row per shortcut (its price on each split; chance and the recency maximum below) and writes the JSON
+(atomically): ``{"config", "overrides", "code", "env", "ks", "splits": {split: {"tasks", "chance", "prices",
+"recency_max", "recency_max_shortcut", "above_chance_plus_0.05"}}}``.
 """
 from __future__ import annotations
 
@@ -29,22 +21,9 @@ sys.path.insert(0, str(ROOT))
 SPLITS = ("train", "dev", "test")
 
 
-def shortcut_success(tasks, n_values: int) -> dict[str, float]:
-    """``{"guess", "last_value", "last_two_values", "everything"}``: mean success over ``tasks`` (RecordsTask) of each
-    partial summary above (units: fraction of tasks)."""
-    last, last_two = 0.0, 0.0
-    for task in tasks:
-        written = [update[1] for update in task.updates if update is not None]  # values of the update records
-        last += written[-1] == task.answer
-        kept = set(written[-2:])
-        last_two += (task.answer in kept) / len(kept)
-    n = len(tasks)
-    return {"guess": 1 / n_values, "last_value": last / n, "last_two_values": last_two / n, "everything": 1.0}
-
-
 def main(argv=None) -> int:
-    from crl.builders import build_suite
     from crl.config import load_config
+    from crl.experiments.records_shortcuts import is_recency, prices_table
     from crl.io import atomic_write_text
     from crl.provenance import git_state
 
@@ -56,16 +35,19 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.set)
     if cfg.env.name != "sequential_records":
         parser.error(f"--config: env.name is {cfg.env.name!r}; this table is for sequential_records tasks")
-    suite = build_suite(cfg)
-    rows = {split: {"tasks": len(suite.tasks(split)), **shortcut_success(suite.tasks(split), suite.n_values)} for split in SPLITS}
-    print("| split | tasks | guess | last_value | last_two_values | everything |\n|---|---|---|---|---|---|")
-    for split, r in rows.items():
-        print(f"| {split} | {r['tasks']} | {r['guess']:.3f} | {r['last_value']:.3f} | {r['last_two_values']:.3f} | {r['everything']:.3f} |")
+    table = prices_table(cfg, SPLITS)
+    rows = table["splits"]
+    print("| shortcut | recency | " + " | ".join(f"{s} ({rows[s]['tasks']} tasks)" for s in SPLITS) + " |")
+    print("|---|---|" + "---|" * len(SPLITS))
+    for name in rows[SPLITS[0]]["prices"]:
+        print(f"| {name} | {'yes' if is_recency(name) else ''} | " + " | ".join(f"{rows[s]['prices'][name]:.3f}" for s in SPLITS) + " |")
+    print("| chance + 0.05 | | " + " | ".join(f"{rows[s]['chance'] + 0.05:.3f}" for s in SPLITS) + " |")
+    print("| recency maximum | | " + " | ".join(f"{rows[s]['recency_max']:.3f} ({rows[s]['recency_max_shortcut']})" for s in SPLITS) + " |")
+    for s in SPLITS:
+        print(f"{s}: above chance + 0.05: {', '.join(rows[s]['above_chance_plus_0.05']) or 'none'}")
     if args.out:
-        report = {"config": args.config, "overrides": args.set, "code": git_state(),
-                  "env": {"n_records": suite.n_records, "n_keys": suite.n_keys, "distractor_rate": suite.distractor_rate},
-                  "splits": rows}
-        atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
+        atomic_write_text(args.out, json.dumps({"config": args.config, "overrides": args.set, "code": git_state(), **table}, indent=2) + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 

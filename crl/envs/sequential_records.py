@@ -95,6 +95,12 @@ class SequentialRecordsEnv(TextEnv):
         """The key the question asks for (read from the question text)."""
         return QUESTION.fullmatch(self.task.question).group(1)
 
+    @property
+    def answer_position(self) -> int:
+        """The record (1-based) that writes the asked key's final value: where a summary's retention is measured."""
+        key = self.asked_key
+        return 1 + max(i for i, u in enumerate(self.task.updates) if u is not None and u[0] == key)
+
     def summary_holds(self, summary_text: str) -> bool | None:
         """``True`` when the summary pairs the asked key with its final value (:func:`summary_pairs`); ``None`` while the
         record that writes the final value is still ahead (module docstring)."""
@@ -114,7 +120,11 @@ class SequentialRecordsSuite(TaskSuite):
     ``extra_steps`` (step-limit slack over the optimal ``n_records + 2`` steps), ``early_submit`` (``accept`` |
     ``fail``, :mod:`crl.envs.base`: before the question a submit can only guess the asked key, but with
     ``accept`` it ends the episode before any compaction is needed), ``invalid_command`` (``observe`` | ``fail``,
-    :mod:`crl.envs.base`).
+    :mod:`crl.envs.base`), ``question_not_in_last`` (``m``: the asked key's final write is never among the last ``m``
+    records: the question draws among the keys finalised before them, and a task where no key is redraws its records;
+    so a summary that copies the last ``m`` records holds nothing the question asks), ``compaction_steps`` (atomic
+    steps after which a compaction is forced, e.g. ``(n_records,)``: right after the last record, whatever the
+    context's length; default none, the Eq. 7 budget alone).
     """
 
     name = "records"
@@ -131,9 +141,16 @@ class SequentialRecordsSuite(TaskSuite):
         disjoint_splits: bool = True,
         early_submit: str = "accept",
         invalid_command: str = "observe",
+        question_not_in_last: int = 0,
+        compaction_steps: tuple[int, ...] = (),
     ):
         if n_records < 1:
             raise ValueError(f"n_records must be >= 1, got {n_records}")
+        if not 0 <= question_not_in_last < n_records:
+            raise ValueError(f"question_not_in_last must be in [0, n_records={n_records}), got {question_not_in_last}")
+        compaction_steps = tuple(int(x) for x in compaction_steps)
+        if list(compaction_steps) != sorted(set(compaction_steps)) or any(x < 1 for x in compaction_steps):
+            raise ValueError(f"compaction_steps must be strictly increasing positive ints, got {compaction_steps}")
         if not 0.0 <= distractor_rate < 1.0:
             raise ValueError(f"distractor_rate must be in [0, 1), got {distractor_rate}")
         if not 1 <= n_keys <= len(KEYS):
@@ -146,24 +163,32 @@ class SequentialRecordsSuite(TaskSuite):
         self.distractor_rate = distractor_rate
         self.n_keys = n_keys
         self.n_values = n_values
+        self.question_not_in_last = question_not_in_last
+        self.compaction_steps = compaction_steps
 
     def _make_task(self, task_id: str, split: str, index: int, rng: random.Random) -> RecordsTask:
         keys = rng.sample(KEYS, self.n_keys)
-        values: dict[str, str] = {}
-        items, updates = [], []
-        for i in range(1, self.n_records + 1):
-            key = rng.choice(keys)
-            value = str(rng.randrange(self.n_values))
-            if i > 1 and rng.random() < self.distractor_rate:
-                while value == values.get(key):
-                    value = str(rng.randrange(self.n_values))
-                items.append(f"record {i} : ignore key {key} = {value}")
-                updates.append(None)
-            else:
-                items.append(f"record {i} : key {key} = {value}")
-                updates.append((key, value))
-                values[key] = value
-        asked = rng.choice(sorted(values))
+        while True:  # redrawn until some key's final write lies before the last question_not_in_last records
+            values: dict[str, str] = {}
+            final_write: dict[str, int] = {}
+            items, updates = [], []
+            for i in range(1, self.n_records + 1):
+                key = rng.choice(keys)
+                value = str(rng.randrange(self.n_values))
+                if i > 1 and rng.random() < self.distractor_rate:
+                    while value == values.get(key):
+                        value = str(rng.randrange(self.n_values))
+                    items.append(f"record {i} : ignore key {key} = {value}")
+                    updates.append(None)
+                else:
+                    items.append(f"record {i} : key {key} = {value}")
+                    updates.append((key, value))
+                    values[key] = value
+                    final_write[key] = i
+            askable = sorted(k for k, i in final_write.items() if i <= self.n_records - self.question_not_in_last)
+            if askable:
+                break
+        asked = rng.choice(askable)
         prompt = (
             f"there are {self.n_records} records . each record sets a key to a value unless it says ignore . "
             "after the last record next shows the question . submit the final value of the asked key ."
