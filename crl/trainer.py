@@ -278,10 +278,15 @@ class Trainer:
         return stats["success"] / max(stats["episodes"], 1)
 
     def dev_summary_metrics(self) -> dict:
-        """``dev/summary_holds_frac`` of the last :meth:`evaluate` (summaries holding / summaries judged by the
-        environment's ``summary_holds``, all ranks); empty when none was judged."""
+        """What the last :meth:`evaluate`'s summaries held, by the environment's ``summary_holds`` (all ranks; each
+        omitted when nothing was judged): ``dev/summary_holds_frac`` (summaries holding / summaries judged),
+        ``dev/summary_holds`` (episodes whose last judged summary holds / episodes judged), ``dev/success_given_holds``
+        and ``dev/success_given_not_holds``, and ``dev/holds_at_P``: retention of an answer written at position ``P``
+        (a records task's record of the asked key's final write)."""
         rates = summary_channel_metrics(self.last_eval_stats)
-        return {"dev/summary_holds_frac": rates["holds_frac"]} if "holds_frac" in rates else {}
+        names = {"holds_frac": "dev/summary_holds_frac", "last_holds_frac": "dev/summary_holds",
+                 "success_given_holds": "dev/success_given_holds", "success_given_not_holds": "dev/success_given_not_holds"}
+        return {names.get(k, f"dev/{k}"): v for k, v in rates.items() if k in names or k.startswith("holds_at_")}
 
     def stage_description(self) -> str:
         """``length L`` (and ``compactions after [a, b]`` when forced) of the current stage, read off its collector."""

@@ -16,7 +16,12 @@ times, so the binomial standard error at p = 0.9 falls from 0.039 to 0.019.
 
 Prints and writes (atomically, default ``RUN_DIR/eval_SPLIT_EPISODES.json``)::
 
-    {"run_dir", "checkpoint", "iteration", "split", "backend", "episodes", "tasks", "success", "successes", "stderr", "wall_s"}
+    {"run_dir", "checkpoint", "iteration", "split", "backend", "episodes", "tasks", "success", "successes", "stderr",
+     "summary": {"episodes_judged", "holds", "holds_frac", "success_holds", "success_not_holds", "success_given_holds",
+                 "success_given_not_holds", "holds_by_position": {P: [holding, judged]}}, "wall_s"}
+
+``summary``: what the summaries held, by the environment's own ``summary_holds`` (the asked key with its final
+value), per episode's last judged summary; ``holds_by_position``: retention of an answer written at record ``P``.
 """
 from __future__ import annotations
 
@@ -92,13 +97,20 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
         from crl.modules.vllm_backend import EngineSettings, VLLMBackend
 
         engine = VLLMBackend(cfg.model.preset, settings=EngineSettings.from_config(cfg))
+    # the run's precision: a bf16 run sampled under bf16 autocast, a LoRA one on a CPU from its merged copy with eager
+    # attention (crl/training/sampler.py), which policy/ (the merged weights) is
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and torch.cuda.is_available())
+    if bf16 and lm is not None and not torch.cuda.is_available() and cfg.model.lora.enabled and cfg.model.lora.merge_for_sampling:
+        lm.config._attn_implementation = "eager"
+    autocast = torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16)
     counts = {}
     try:
         for rank in range(world):
             policy_seed, frozen_seed = evaluation_seeds(cfg.train.seed, rank)
             backend = engine.fork(policy_seed) if engine is not None else TransformersBackend(lm, seed=policy_seed)
-            mine = evaluate_policy(cfg, stage, split, backend, codec, prompt_format, rank=rank, world=world,
-                                   frozen_backend=TransformersBackend(frozen, seed=frozen_seed) if frozen is not None else None)
+            with autocast:
+                mine = evaluate_policy(cfg, stage, split, backend, codec, prompt_format, rank=rank, world=world,
+                                       frozen_backend=TransformersBackend(frozen, seed=frozen_seed) if frozen is not None else None)
             counts = {k: counts.get(k, 0) + v for k, v in mine.items()}
     finally:
         if engine is not None:
@@ -106,7 +118,26 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
     n, success = counts["episodes"], counts["success"] / max(counts["episodes"], 1)
     return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split, "backend": cfg.model.backend,
             "episodes": n, "tasks": len(build_suite(cfg, stage).tasks(split)), "success": success, "successes": int(counts["success"]),
-            "stderr": math.sqrt(max(success * (1 - success), 0.0) / n), "wall_s": round(time.perf_counter() - t0, 1)}
+            "stderr": math.sqrt(max(success * (1 - success), 0.0) / n), "summary": summary_content(counts),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def summary_content(counts: dict) -> dict:
+    """What the evaluation's summaries held (the environment's ``summary_holds``: the asked key with its final value), as
+    integer counts with their rates: episodes judged, those whose last summary holds, successes among those that hold
+    and those that do not, and per answer position ``[holding, judged]``."""
+    i = lambda key: int(round(counts.get(key, 0)))  # noqa: E731  (summed over ranks as floats)
+    judged, holds = i("episodes_judged"), i("last_holds")
+    out = {"episodes_judged": judged, "holds": holds, "holds_frac": holds / judged if judged else None,
+           "success_holds": i("success_last_holds"), "success_not_holds": i("success_last_not_holds"),
+           "success_given_holds": i("success_last_holds") / holds if holds else None,
+           "success_given_not_holds": i("success_last_not_holds") / (judged - holds) if judged > holds else None}
+    p, at = 1, {}
+    while f"judged_at_{p}" in counts:
+        at[str(p)] = [i(f"holding_at_{p}"), i(f"judged_at_{p}")]
+        p += 1
+    out["holds_by_position"] = at
+    return out
 
 
 def main(argv=None) -> None:

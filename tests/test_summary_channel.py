@@ -6,7 +6,7 @@ Every episode here is scripted (no sampling), so every count is known in advance
 with a plain per-row loop over the same rows and weights."""
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -356,3 +356,56 @@ def test_chat_collector_asks_the_suite_about_the_summaries_it_copied():
         judged = [v for v in verdicts if v is not None]
         assert (e.summaries_judged, e.summaries_holding, e.last_summary_holds) == (len(judged), sum(judged), judged[-1] if judged else None)
     assert episode_stats(col.last_episodes)["summaries_judged"] == sum(e.summaries_judged for e in col.last_episodes)
+
+
+def test_evaluation_counts_retention_by_the_answers_position():
+    """A records task with a compaction forced after the last record; a scripted policy answers ``next`` and summarises
+    one key of the task with its final value (the key written first): the collector records where each episode's
+    answer was written (``env.answer_position``), and the evaluation's counts (crl.evaluation) hold, per position,
+    the judged episodes and those whose summary holds: by hand from the tasks, a summary holds exactly when the asked key
+    is the first-written one."""
+    from crl.builders import build_suite, build_tokenizer
+    from crl.evaluation import evaluate_policy
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        "env.name=sequential_records", "env.n_records=5", "env.n_keys=3", "env.distractor_rate=0.0", "env.question_not_in_last=2",
+        "env.compact_after_step=5", "compaction.context_capacity=512", "compaction.min_remaining=32", "compaction.max_compactions=1",
+        "compaction.keep_recent=0", "compaction.max_summary_tokens=12", "eval.episodes=12", "compaction.max_steps=8"])
+    codec = build_tokenizer(cfg)
+    suite = build_suite(cfg)
+    tasks = suite.tasks("dev")[:12]
+
+    from crl.builders import build_compaction_config, build_prompt_format
+    from crl.compaction import CompactionEngine
+    from crl.envs.sequential_records import RECORD
+
+    fmt = build_prompt_format(cfg, codec)
+    request = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=fmt).summary_instruction_ids
+
+    class FirstKeySummariser(ReadingPolicy):
+        """``next`` as every action; as the summary, the first-written key with its final value, read off the records
+        the summary request shows."""
+
+        def generate(self, prompts, max_new_tokens, params, cache_keys=None):
+            out = []
+            for prompt in prompts:
+                text = "next"
+                if list(prompt[-len(request):]) == list(request):
+                    records = [(k, v) for _, ignore, k, v in RECORD.findall(codec.decode(prompt)) if not ignore]
+                    first = records[0][0]
+                    text = f"{first} = {[v for k, v in records if k == first][-1]}"
+                ids = codec.encode(text) + [codec.eos_id]
+                out.append(Generation(ids, [-1.0] * len(ids), True))
+            return out
+
+    counts = evaluate_policy(cfg, None, "dev", FirstKeySummariser(request), codec, fmt)
+    expect = Counter()
+    for task in tasks:
+        env = suite.make_env(task)
+        first = next(u for u in task.updates if u is not None)[0]
+        expect[f"judged_at_{env.answer_position}"] += 1
+        expect[f"holding_at_{env.answer_position}"] += env.asked_key == first
+    assert {k: v for k, v in counts.items() if k.startswith(("judged_at_", "holding_at_")) and v} == {k: v for k, v in expect.items() if v}
+    assert {f"judged_at_{p}" for p in range(1, 6)} <= set(counts)  # every position, zeros included (the same keys on every rank)
+    rates = summary_channel_metrics(counts)
+    assert 0 < rates["last_holds_frac"] < 1 and rates["holds_at_1"] == 1.0  # the first record's key is the first-written one

@@ -97,6 +97,7 @@ class _Live:
     summaries_judged: int = 0
     summaries_holding: int = 0
     last_summary_holds: bool | None = None
+    answer_position: int | None = None
 
 
 @dataclass
@@ -106,6 +107,8 @@ class EpisodeSummary:
     ``summaries_judged``: summaries the environment's ``summary_holds`` judged (True or False; ``None`` verdicts and
     environments without the hook are not counted); ``summaries_holding``: those judged True;
     ``last_summary_holds``: the verdict on the episode's last judged summary (``None``: none was judged).
+    ``answer_position``: where the answer was written (``env.answer_position``: the records task's record of the asked
+    key's final write), for retention by position; ``None`` where the environment does not say.
     """
 
     rollout_id: int
@@ -119,16 +122,26 @@ class EpisodeSummary:
     summaries_judged: int = 0
     summaries_holding: int = 0
     last_summary_holds: bool | None = None
+    answer_position: int | None = None
 
 
-def episode_stats(episodes: Sequence[EpisodeSummary]) -> dict:
+def episode_stats(episodes: Sequence[EpisodeSummary], positions: int = 0) -> dict:
     """Counts over one rank's episodes (summed over ranks by the caller): episodes, successes (reward > 0), reward,
     completed / truncated / failed, compactions, segments, steps; and the summary verdicts (:class:`EpisodeSummary`):
     ``summaries_judged`` / ``summaries_holding`` (summaries), ``episodes_judged`` (episodes with a judged summary),
     ``last_holds`` (episodes whose last judged summary holds), ``success_last_holds`` / ``success_last_not_holds``
-    (successes among the episodes whose last judged summary holds / does not)."""
+    (successes among the episodes whose last judged summary holds / does not).
+
+    ``positions`` > 0 adds retention by the answer's position: ``judged_at_P`` / ``holding_at_P`` for every ``P`` in
+    ``1 .. positions`` (zeros included, so every rank reports the same keys), over the judged episodes whose
+    ``answer_position`` is ``P``."""
     judged = [e for e in episodes if e.last_summary_holds is not None]
-    return {
+    by_position = {}
+    for p in range(1, positions + 1):
+        at = [e for e in judged if e.answer_position == p]
+        by_position[f"judged_at_{p}"] = len(at)
+        by_position[f"holding_at_{p}"] = sum(e.last_summary_holds for e in at)
+    return {**by_position,
         "episodes": len(episodes),
         "success": sum(e.reward > 0 for e in episodes),
         "reward": sum(e.reward for e in episodes),
@@ -154,7 +167,8 @@ def summary_channel_metrics(stats: dict) -> dict:
     * ``holds_frac`` = summaries_holding / summaries_judged;
     * ``last_holds_frac`` = last_holds / episodes_judged;
     * ``success_given_holds`` = success_last_holds / last_holds;
-    * ``success_given_not_holds`` = success_last_not_holds / (episodes_judged - last_holds).
+    * ``success_given_not_holds`` = success_last_not_holds / (episodes_judged - last_holds);
+    * ``holds_at_P`` = holding_at_P / judged_at_P (retention of an answer written at position ``P``).
     """
     out = {}
     not_holds = stats.get("episodes_judged", 0) - stats.get("last_holds", 0)
@@ -164,6 +178,11 @@ def summary_channel_metrics(stats: dict) -> dict:
                            ("success_given_not_holds", stats.get("success_last_not_holds"), not_holds)):
         if den > 0:
             out[name] = num / den
+    p = 1
+    while f"judged_at_{p}" in stats:
+        if stats[f"judged_at_{p}"] > 0:
+            out[f"holds_at_{p}"] = stats[f"holding_at_{p}"] / stats[f"judged_at_{p}"]
+        p += 1
     return out
 
 
@@ -356,6 +375,8 @@ class CompactionCollector(EpisodeStream):
         ep.summaries_judged += 1
         ep.summaries_holding += verdict
         ep.last_summary_holds = verdict
+        position = getattr(ep.env, "answer_position", None)
+        ep.answer_position = position if isinstance(position, int) else None
 
     def collect(self) -> TensorDict:
         """Play ``episodes_per_batch`` episodes to the end and return their validated segment rows."""
@@ -445,7 +466,7 @@ class CompactionCollector(EpisodeStream):
             rows_td.append(td)
             self.last_episodes.append(
                 EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"),
-                               ep.summaries_judged, ep.summaries_holding, ep.last_summary_holds)
+                               ep.summaries_judged, ep.summaries_holding, ep.last_summary_holds, ep.answer_position)
             )
         batch = concat_episodes(rows_td)
         validate_episodes(batch)
