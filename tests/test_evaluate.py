@@ -101,3 +101,28 @@ def test_an_evaluation_plays_eval_episodes_whatever_the_world_size(episodes, wor
                                  rank=rank, world=world)
         total += counts["episodes"]
     assert total == episodes and sorted(ids) == list(range(episodes))
+
+
+def test_evaluating_less_often_changes_neither_the_training_nor_the_final_evaluation_nor_the_audit(tmp_path):
+    """``eval.every`` (issue 46: evaluation that costs less than training): evaluations draw from streams of their own
+    (crl.streams), so a run evaluated after every iteration and one evaluated only at its start and end train the same
+    (every training metric equal), log the same final ``dev/success`` and both pass the audit; the sparse run logs
+    ``dev/success`` at the iterations it evaluated, and only those."""
+    import subprocess
+    import sys
+
+    runs = {}
+    for every in (1, 0):
+        run = tmp_path / f"every{every}"
+        Trainer(load_config(ROOT / "configs/default.yaml", [f"run_dir={run}", *TINY, "train.iterations=3", f"eval.every={every}", "eval.episodes=8",
+                                                            "warm_start.steps=20", "checkpoint.evidence_every=1", "model.value_head_init=normal",
+                                                            "env.invalid_command=observe"])).fit()  # episodes reach the compaction
+        runs[every] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        audit = subprocess.run([sys.executable, "scripts/audit.py", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr
+    dense, sparse = runs[1], runs[0]
+    training = lambda recs: [{k: v for k, v in r.items() if not k.startswith(("dev/", "perf/"))} for r in recs]  # noqa: E731
+    assert training(dense) == training(sparse)
+    assert [r["step"] for r in dense if "dev/success" in r] == [0, 1, 2, 3]
+    assert [r["step"] for r in sparse if "dev/success" in r] == [0, 3]
+    assert [r["dev/success"] for r in dense if r["step"] in (0, 3) and "dev/success" in r] == [r["dev/success"] for r in sparse if "dev/success" in r]
