@@ -400,16 +400,13 @@ def test_prefix_shared_learner_matches_the_naive_learner_through_the_trainer(tmp
 
 
 def test_summary_content_script_counts_what_the_evidence_holds(tmp_path):
-    """scripts/summary_content.py on a tiny memory-chain run: one counted summary per policy-written SUMMARY segment,
-    every episode counted; and on a hand-made row, exactly the optimized spans are read."""
-    import importlib.util
-
+    """crl.experiments.summary_content (scripts/summary_content.py's decoder) on a tiny memory-chain run: one counted
+    summary per policy-written SUMMARY segment, every episode counted; and on a hand-made row, exactly the optimized
+    spans are read."""
+    import crl.experiments.summary_content as sc
     from crl.episode import SegmentKind, load_episodes
     from crl.modules.tokenizer import load_tokenizer
 
-    spec = importlib.util.spec_from_file_location("summary_content_script", ROOT / "scripts" / "summary_content.py")
-    sc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sc)
     tok = load_tokenizer()
     ids = tok.convert_tokens_to_ids(["next", "<|end|>", "code", "2", "<|end|>", "submit", "2", "<|end|>"])
     assert sc.optimized_spans(ids, [1, 1, 0, 0, 0, 1, 1, 1], tok.decode) == ["next <|end|>", "submit 2 <|end|>"]

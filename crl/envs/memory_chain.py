@@ -36,7 +36,7 @@ QUESTION = "question : what is the code ?"
 def summary_has_fact(summary_text: str, code: int | str) -> bool:
     """Whether a summary holds the fact ``code``: the code as a whole number anywhere in it (the policy chooses its
     own wording: ``code 3``, ``submit 3``, ``3``; ``13`` or ``3.5`` do not hold ``3``). The one definition behind
-    :meth:`MemoryChainEnv.summary_holds` and ``scripts/summary_content.py``."""
+    :meth:`MemoryChainEnv.summary_holds` and :mod:`crl.experiments.summary_content`."""
     return mentions_number(summary_text, code)
 
 

@@ -50,7 +50,7 @@ class RecordsTask(Task):
 def summary_pairs(summary_text: str, key: str, value: str) -> bool:
     """Whether a summary pairs ``key`` with ``value``: the key as a whole word, then the value as the next word, joined
     by nothing but spaces, ``=``, ``:``, ``->`` or ``is`` (``blue = 7``, ``blue 7``, ``blue is 7``). The one definition
-    behind :meth:`SequentialRecordsEnv.summary_holds` and ``scripts/summary_content.py``."""
+    behind :meth:`SequentialRecordsEnv.summary_holds` and :mod:`crl.experiments.summary_content`."""
     pattern = rf"(?<!\w){re.escape(key)}(?!\w)(?:\s|=|:|->|\bis\b)*(?<![\w.-]){re.escape(value)}(?!\w|\.\d)"
     return re.search(pattern, summary_text) is not None
 
