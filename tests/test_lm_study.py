@@ -300,11 +300,7 @@ def test_study96_arms_differ_only_in_what_they_test_and_share_the_budget():
 def test_gate_is_computed_from_the_final_evaluations():
     """The preregistered gate: joint mean >= 0.95, every joint seed >= 0.90, joint - frozen >= 0.30, every audit PASS;
     a seed without a final evaluation fails it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("lm_study_script", ROOT / "scripts" / "lm_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import crl.experiments.lm_study as mod
 
     def arms(joint, frozen, audit="PASS"):
         seed = lambda v: {"final_eval": None if v is None else {"success": v}, "audit": audit}  # noqa: E731
@@ -330,13 +326,9 @@ def test_gate_is_computed_from_the_final_evaluations():
 def test_the_study_flattens_configs_with_the_run_directorys_flatten():
     """One flatten of a config into dotted keys (crl.run_dir.flatten, what the resume check compares): the report's
     ``differs_from_base`` and a refused resume name the same keys."""
-    import importlib.util
-
+    import crl.experiments.lm_study as mod
     from crl.run_dir import flatten
 
-    spec = importlib.util.spec_from_file_location("lm_study_script", ROOT / "scripts" / "lm_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     assert mod.flatten is flatten
     assert flatten({"algo": {"gamma": 1.0, "group": {"scale": "std"}}, "run_dir": "x", "empty": {}}) == {
         "algo.gamma": 1.0, "algo.group.scale": "std", "run_dir": "x"}
@@ -371,11 +363,7 @@ def test_lm_study_quick_covers_the_group_estimator_and_the_test_split(tmp_path):
 def test_the_pretrained_gate_is_judged_seed_by_seed():
     """PRETRAINED_GATE (issue 39's preregistration): joint >= frozen + 0.15 and joint's last dev >= its iteration-0 dev
     + 0.15 on *every* seed; one seed short of either, a missing evaluation or a failed audit is a FAIL."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("lm_study_script", ROOT / "scripts" / "lm_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import crl.experiments.lm_study as mod
 
     def arms(joint_final, frozen_final, start, last, audit="PASS"):
         seed = lambda f, i0, l: {"final_eval": None if f is None else {"success": f}, "iter0_dev_success": i0, "final_dev_success": l, "audit": audit}  # noqa: E731
