@@ -127,6 +127,16 @@ def test_stratified_bootstrap_matches_a_hand_loop():
     assert sweep.stats({"a": [], "b": []}, 0.9) is None
 
 
+def test_mean_bootstrap_matches_a_hand_loop():
+    """sweep.mean_ci: the percentile interval of resampled means, with iqm_ci's draws (one stratum), written out."""
+    x = [0.25, -0.1, 0.4, 0.05, 0.3]
+    rng = np.random.default_rng(7)
+    draws = rng.integers(0, len(x), (3000, len(x)))
+    means = [sum(x[int(i)] for i in row) / len(x) for row in draws]
+    assert sweep.mean_ci(x, resamples=3000, seed=7) == pytest.approx([percentile_by_hand(means, 2.5), percentile_by_hand(means, 97.5)], abs=1e-12)
+    assert sweep.mean_ci([0.2, 0.2, 0.2]) == pytest.approx([0.2, 0.2])
+
+
 def test_cli_refuses_ambiguous_arms():
     proc = subprocess.run([sys.executable, "scripts/sweep.py", "--config", "configs/study/joint.yaml", "configs/study96/joint.yaml", "--out", "unused"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
@@ -395,3 +405,64 @@ def test_each_launch_records_the_code_that_trains_the_run(tmp_path):
     assert code["commit"] == [head, "f" * 40] and len(code["launches"]) == 2
     assert code["dirty"] == (True if first is True else "unknown" if first == "unknown" else False)
     assert s.run_code(tmp_path / "nowhere") == {"commit": "unknown", "dirty": "unknown", "launches": []}
+
+
+def test_carry_takes_a_row_only_when_its_hashes_are_those_of_the_committed_run_files(tmp_path):
+    """With ``export`` (where finished runs are committed), ``--carry`` takes a report's row only when the SHA-256 it
+    recorded of the run's config, audit and final evaluation are those of the files committed at HEAD under
+    ``export/NAME/``, and its audit verdict and final evaluation are those files' own. A row whose hash differs, a row
+    without hashes, a file not committed, or numbers edited in the report stop the sweep with one line naming the file."""
+    from crl.config import load_config, to_yaml
+    from crl.io import sha256_file
+
+    repo, out = tmp_path / "repo", tmp_path / "out"
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    repo.mkdir()
+    git("init", "-q")
+    report = tmp_path / "report.json"
+    s = sweep.Sweep({"default": ROOT / "configs" / "default.yaml"}, [0], out, overrides=sweep.QUICK, final_episodes=8, final_split="test",
+                    carry=report, export=repo / "kept")
+    job = ("default", 0, "default")
+    s.cfgs = s.check_configs()
+    kept = repo / "kept" / s.run_name(*job)
+    kept.mkdir(parents=True)
+    (kept / "config.yaml").write_text(to_yaml(load_config(s.arms["default"], s.run_overrides(job))))
+    (kept / "audit.json").write_text(json.dumps({"verdict": "PASS"}))
+    evaluation = {"run_dir": "x", "split": "test", "episodes": 8, "tasks": 60, "success": 0.25, "successes": 2, "stderr": 0.15, "iteration": 2,
+                  "wall_s": 1.0, "summary": {"episodes_judged": 8, "holds": 3, "success_not_holds": 0}}
+    (kept / "eval_test_8.json").write_text(json.dumps(evaluation))
+    git("add", ".")
+    git("commit", "-qm", "the finished run")
+    row = {"name": s.run_name(*job), "arm": "default", "seed": 0, "kernel": "default", "config": "configs/default.yaml",
+           "overrides": [*s.extra_overrides("default", 0), *s.overrides], "final_iteration": 2, "audit": "PASS",
+           "final_eval": sweep.final_eval_record(evaluation), "files_sha256": {f: sha256_file(kept / f) for f in s.evidence_files()}}
+    assert set(row["files_sha256"]) == {"config.yaml", "audit.json", "eval_test_8.json"}
+
+    def carry(r):
+        report.write_text(json.dumps({"runs": [r]}))
+        return s.carry_rows()
+
+    assert carry(row)[job]["final_eval"] == row["final_eval"]  # the committed files' own row: carried
+
+    def refused(r) -> str:
+        with pytest.raises(SystemExit) as err:
+            carry(r)
+        msg = str(err.value)
+        assert "\n" not in msg and "default seed 0" in msg, msg
+        return msg
+
+    other = dict(row, files_sha256={**row["files_sha256"], "audit.json": "0" * 64})
+    msg = refused(other)
+    assert str(kept / "audit.json") in msg and "0000000000000000" in msg and "not the committed run's" in msg
+    msg = refused({k: v for k, v in row.items() if k != "files_sha256"})  # written before hashes were kept
+    assert "no SHA-256 of its config.yaml" in msg
+    msg = refused(dict(row, final_eval={**row["final_eval"], "successes": 3}))  # numbers edited in the report, hashes kept
+    assert str(kept / "eval_test_8.json") in msg
+    msg = refused(dict(row, audit="FAIL"))
+    assert str(kept / "audit.json") in msg
+    # the working tree's copy edited after the commit: the committed bytes are what counts (the row still matches them)
+    (kept / "audit.json").write_text(json.dumps({"verdict": "FAIL"}))
+    assert job in carry(row)
+    git("rm", "-q", "kept/default_seed0_default/eval_test_8.json")
+    git("commit", "-qm", "the evaluation removed")
+    assert "eval_test_8.json is not committed at HEAD" in refused(row)

@@ -41,7 +41,11 @@ hundred kB of text (by content, not mtimes, which neither a copy nor a git check
 nothing: it reports the runs that finished (auditing them if needed) and marks the others ``"audit": "NOT RUN"``
 with no curve. Exit status 0 only when every run trained and its audit passed. ``--carry REPORT`` takes the finished,
 audited runs of an earlier report (same config file, overrides and final evaluation) in place of jobs with no run
-directory here (:meth:`Sweep.carry_rows`): for a study whose run directories were lost with a machine.
+directory here (:meth:`Sweep.carry_rows`): for a study whose run directories were lost with a machine. With ``export``
+(a directory in the repository where each finished run's files are committed: ``scripts/lm_study.py --export``), a
+row is carried only when the SHA-256 it recorded of the run's ``config.yaml``, ``audit.json`` and final evaluation
+(``files_sha256``) are those of the files committed at ``HEAD`` under ``export/NAME/``, and its audit verdict and
+final evaluation are theirs (:meth:`Sweep.check_committed`); anything else stops it with one line naming the file.
 
 **Same settings or nothing.** A run directory is reused (finished, resumed or reported) only when its
 ``config.yaml`` equals the config the sweep would launch now, every key but where things are written
@@ -61,8 +65,12 @@ Writes, atomically, ``DIR/report.json`` (keys sorted)::
      "final_eval": {"episodes", "split"} | null, "bootstrap": {"resamples", "seed", "confidence", "strata", "interval"},
      "runs": [{"name", "arm", "seed", "kernel", "config", "overrides", "run_dir", "aten_cpu_capability",
                "cpu_capability", "audit": "PASS"|"FAIL"|"NOT RUN", "error"?, "not_run"?, "curve": [[iteration, dev_success], ...],
+               "holds_curve": [[iteration, dev/summary_holds], ...] (where the dev evaluations judged a summary),
                "iter0_dev_success", "final_dev_success", "final_iteration", "iterations_to_threshold" (null: never),
-               "final_eval": {...} | null, "final_eval_success", "train_wall_s", "audit_wall_s",
+               "final_eval": {"split", "episodes", "tasks", "success", "successes", "stderr", "iteration", "wall_s",
+                              "summary"} | null (scripts/evaluate.py's; "successes" and "summary" where it wrote them),
+               "final_eval_success", "train_wall_s", "audit_wall_s",
+               "files_sha256": {"config.yaml", "audit.json", "eval_SPLIT_N.json": sha256} (what a carried copy must match),
                "diagnostics": {metric: final value}, "clip_fraction", "approx_kl", "truncated_frac",
                "compactions_mean", "compactions_max", "code": CODE}, ...],
      "code": {"commit", "dirty"} (the invocation's),
@@ -86,6 +94,7 @@ pass ``--kernels default``), 2 iterations of 16 episodes, about a minute a run o
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -175,6 +184,17 @@ def iqm_ci(strata: dict, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
     return [float(v) for v in np.percentile(estimates, [tail, 100 - tail])]
 
 
+def mean_ci(values, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED, confidence: float = 0.95) -> list[float]:
+    """Bootstrap percentile interval of the mean of ``values`` (one stratum; the draws of :func:`iqm_ci`: a
+    ``numpy.random.default_rng(seed)``, one ``rng.integers(0, n, (resamples, n))``): for a difference per seed, whose
+    ordering is claimed only where the interval excludes 0."""
+    x = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    estimates = x[rng.integers(0, len(x), (resamples, len(x)))].mean(axis=1)
+    tail = 100 * (1 - confidence) / 2
+    return [float(v) for v in np.percentile(estimates, [tail, 100 - tail])]
+
+
 def stats(strata: dict, threshold: float) -> dict | None:
     """Mean, min, max, IQM and its 95 % interval, and the fraction >= ``threshold``, of the values of ``strata``
     (``{stratum: [values]}``; empty strata ignored); None when there is no value."""
@@ -260,6 +280,35 @@ def rel(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def committed_bytes(path: Path) -> bytes | None:
+    """``path`` as committed at ``HEAD`` of the checkout that holds it (``git show HEAD:PATH``: the committed bytes,
+    whatever the working tree holds), or None when it is not committed there (or there is no git)."""
+    path = Path(path).resolve()
+    where = next((d for d in path.parents if d.is_dir()), ROOT)
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=where, capture_output=True, text=True, timeout=60)
+        top_dir = Path(top.stdout.strip()).resolve() if top.returncode == 0 else None
+        if top_dir is None or not path.is_relative_to(top_dir):
+            return None
+        blob = subprocess.run(["git", "show", f"HEAD:{path.relative_to(top_dir).as_posix()}"], cwd=top_dir, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return blob.stdout if blob.returncode == 0 else None
+
+
+def committed_sha256(path: Path) -> str | None:
+    """SHA-256 of :func:`committed_bytes` (None: not committed)."""
+    blob = committed_bytes(path)
+    return None if blob is None else hashlib.sha256(blob).hexdigest()
+
+
+def final_eval_record(report: dict) -> dict:
+    """What a run's row keeps of its final evaluation (``scripts/evaluate.py``'s JSON): the split, the counts and
+    rates, and the ``summary`` block (what the summaries held) when the evaluation has one."""
+    keep = ("split", "episodes", "tasks", "success", "successes", "stderr", "iteration", "wall_s", "summary")
+    return {k: report[k] for k in keep if k in report}
+
+
 def fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -273,7 +322,7 @@ class Sweep:
 
     def __init__(self, arms: dict, seeds: list[int], out, kernels=("default",), overrides=(), parallel: int = 2, threshold: float = 0.9,
                  final_episodes: int = 0, final_split: str = "dev", report_only: bool = False, quick: bool = False,
-                 force: bool = False, carry: str | Path | None = None):
+                 force: bool = False, carry: str | Path | None = None, export: str | Path | None = None):
         self.arms = {arm: Path(f).resolve() for arm, f in arms.items()}
         self.seeds, self.kernels, self.overrides = list(seeds), list(kernels), list(overrides)
         self.out, self.parallel, self.threshold = Path(out).resolve(), parallel, threshold
@@ -281,6 +330,7 @@ class Sweep:
         if force and report_only:
             raise ValueError("force reruns runs and report_only trains none: use one")
         self.force, self.carry, self.carried = force, Path(carry) if carry else None, {}
+        self.export = Path(export).resolve() if export else None
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
                         WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"), PYTHONUNBUFFERED="1",
                         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -399,8 +449,36 @@ class Sweep:
             if bad:
                 raise SystemExit(f"{self.name}: --carry {self.carry}: {self.label(*job)} cannot stand in for this sweep's run: "
                                  f"{'; '.join(bad)}. Train it here (drop it from the report) or carry another report")
+            if self.export is not None:
+                self.check_committed(job, row)
             carried[job] = {**row, "carried_from": rel(self.carry)}
         return carried
+
+    def check_committed(self, job, row: dict) -> None:
+        """With ``export`` (where finished runs are committed): a carried row is taken only when the SHA-256 of each of
+        its :meth:`evidence_files` it recorded (``files_sha256``) is that of the file committed at ``HEAD`` under
+        ``export/NAME/``, and its audit verdict and final evaluation are those files' own; else the sweep stops with
+        one line naming the file."""
+        where = f"{self.name}: --carry {self.carry}: {self.label(*job)}"
+        hashes = row.get("files_sha256") or {}
+        for name in self.evidence_files():
+            path = self.export / self.run_name(*job) / name
+            committed = committed_sha256(path)
+            if name not in hashes:
+                raise SystemExit(f"{where} has no SHA-256 of its {name} in the report: a row is carried only with hashes that match the "
+                                 f"committed run files ({rel(path)}). Train it here (drop it from the report) or carry a report written with hashes")
+            if committed is None:
+                raise SystemExit(f"{where}: {rel(path)} is not committed at HEAD: commit the exported run (its 'ready to commit' line) "
+                                 "before carrying its row, or train it here")
+            if committed != hashes[name]:
+                raise SystemExit(f"{where}: {rel(path)} as committed has SHA-256 {committed[:16]}…, the report's row says {hashes[name][:16]}…: "
+                                 "the row is not the committed run's. Carry the report written with those files, or train it here")
+        show = lambda name: json.loads(committed_bytes(self.export / self.run_name(*job) / name))  # noqa: E731  (the bytes just hashed)
+        if show("audit.json").get("verdict") != row.get("audit"):
+            raise SystemExit(f"{where}: the report's audit {row.get('audit')!r} is not the committed "
+                             f"{rel(self.export / self.run_name(*job) / 'audit.json')}'s verdict")
+        if self.final_episodes and final_eval_record(show(self.eval_file())) != row.get("final_eval"):
+            raise SystemExit(f"{where}: the report's final evaluation is not the committed {rel(self.export / self.run_name(*job) / self.eval_file())}")
 
     # -------------------------------------------------------------------------------- provenance
     def record_launch(self, job) -> None:
@@ -486,6 +564,17 @@ class Sweep:
                  f"{' (reused)' if reused else f' in {audit_s:.0f} s'}{ev}, wall {time.perf_counter() - t0:.0f} s")
         return {"audit": verdict, "final_eval": final, **timing}
 
+    def run_and_keep(self, job) -> dict:
+        """:meth:`run_one`, then :meth:`keep` as soon as the run is done (not at the end of the whole sweep)."""
+        result = self.run_one(job)
+        self.keep(job, result)
+        return result
+
+    def keep(self, job, result: dict) -> None:
+        """Called for each run of this invocation once it is done (trained or finished earlier, audited, evaluated;
+        ``result``: its :meth:`run_one` entry): nothing here; :class:`crl.experiments.lm_study.Study` exports its
+        evidence for committing, so a machine lost before the sweep's end loses no finished run."""
+
     def finished(self) -> int:
         with self.lock:
             self.done += 1
@@ -516,9 +605,18 @@ class Sweep:
                 and self.read_run(run_dir)["final_iteration"] == self.cfgs[job[0]].train.iterations and audit_covers_metrics(run_dir)
                 and (not self.final_episodes or self.eval_current(job)))
 
+    def eval_file(self) -> str:
+        """The name of a run's final evaluation JSON (``eval_SPLIT_N.json``, scripts/evaluate.py's default)."""
+        return f"eval_{self.final_split}_{self.final_episodes}.json"
+
+    def evidence_files(self) -> list[str]:
+        """The files of a run whose SHA-256 its report row keeps (``files_sha256``) and a carried row must match in
+        the committed copy: its config, its audit and (when the sweep evaluates) its final evaluation."""
+        return ["config.yaml", "audit.json", *([self.eval_file()] if self.final_episodes else [])]
+
     def eval_current(self, job) -> bool:
         """The final evaluation's JSON exists and evaluated the run's last iteration."""
-        out = self.run_dir(job) / f"eval_{self.final_split}_{self.final_episodes}.json"
+        out = self.run_dir(job) / self.eval_file()
         try:
             return json.loads(out.read_text())["iteration"] == self.read_run(self.run_dir(job))["final_iteration"]
         except (OSError, ValueError, KeyError):
@@ -550,7 +648,7 @@ class Sweep:
         n, split, run_dir, logs = self.final_episodes, self.final_split, self.run_dir(job), self.log_base(job)
         if not n:
             return None
-        out = run_dir / f"eval_{split}_{n}.json"
+        out = run_dir / self.eval_file()
         if not self.eval_current(job):
             with open(logs.with_suffix(".eval.log"), "w") as log:
                 subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--split", split, "--episodes", str(n),
@@ -558,8 +656,7 @@ class Sweep:
         if not out.is_file():
             self.say(f"final evaluation of {run_dir} failed (log {logs.with_suffix('.eval.log')})")
             return None
-        r = json.loads(out.read_text())
-        return {k: r[k] for k in ("split", "episodes", "tasks", "success", "stderr", "iteration", "wall_s")}
+        return final_eval_record(json.loads(out.read_text()))
 
     # -------------------------------------------------------------------------------- reading runs
     def read_run(self, run_dir: Path) -> dict:
@@ -567,6 +664,8 @@ class Sweep:
         over the iterations, the final value of each of :data:`DIAGNOSTICS`."""
         records = read_records(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
         curve = [[int(r["step"]), float(r["dev/success"])] for r in records if r["step"] >= 0 and "dev/success" in r]
+        # what the dev evaluations' summaries held (episodes whose last judged summary holds; absent where none was judged)
+        holds = [[int(r["step"]), float(r["dev/summary_holds"])] for r in records if r["step"] >= 0 and "dev/summary_holds" in r]
 
         def mean(key):
             vals = [r[key] for r in records if r["step"] > 0 and key in r and math.isfinite(r[key])]
@@ -579,6 +678,7 @@ class Sweep:
             "final_iteration": curve[-1][0] if curve else None,
             "iterations_to_threshold": next((it for it, s in curve if s >= self.threshold), None),
             "curve": curve,
+            "holds_curve": holds,
             "diagnostics": {key: r[key] for r in records for key in DIAGNOSTICS if key in r},  # the last value wins
             "clip_fraction": mean("policy/clip_fraction"),
             "approx_kl": mean("policy/approx_kl"),
@@ -597,7 +697,7 @@ class Sweep:
             arm, seed, kernel = job
             run = self.read_run(self.run_dir(job))
             if results.get(job, {}).get("not_run"):  # a partial curve is not a result
-                run = {k: ([] if k == "curve" else {} if k == "diagnostics" else None) for k in run}
+                run = {k: ([] if k in ("curve", "holds_curve") else {} if k == "diagnostics" else None) for k in run}
             log = self.log_base(job).with_suffix(".train.log")
             found = CAPABILITY.findall(log.read_text()) if log.is_file() else []
             row = {"name": self.run_name(*job), "arm": arm, "seed": seed, "kernel": kernel, "config": rel(self.arms[arm]),
@@ -605,6 +705,8 @@ class Sweep:
                    "aten_cpu_capability": KERNELS[kernel], "cpu_capability": found[-1] if found else None, **run,
                    "code": self.run_code(self.run_dir(job)), **results.get(job, {})}
             row["final_eval_success"] = row["final_eval"]["success"] if row.get("final_eval") else None
+            if not row.get("not_run"):  # what a carried copy of this row must match in the committed run files
+                row["files_sha256"] = {f: sha256_file(self.run_dir(job) / f) for f in self.evidence_files() if (self.run_dir(job) / f).is_file()}
             rows.append(row)
         return rows
 
@@ -729,17 +831,20 @@ class Sweep:
         todo = [job for job in self.jobs if job not in self.carried]
         for job, row in self.carried.items():
             self.say(f"carry  {self.label(*job)} from {rel(self.carry)}: audit {row['audit']}, trained by {row.get('code', {}).get('commit', UNKNOWN)}")
-        self.code_state = git_state(ROOT, ignore=(self.out,))
+        self.code_state = git_state(ROOT, ignore=(self.out, *([self.export] if self.export else [])))
         self.out.mkdir(parents=True, exist_ok=True)
         self.say(f"{len(self.jobs)} runs ({', '.join(self.arms)} x seeds {' '.join(map(str, self.seeds))}"
                  f"{'' if self.kernels == ['default'] else ' x kernels ' + ' '.join(self.kernels)}), "
                  f"{self.parallel} in parallel{', quick' if self.quick else ''}; out {self.out}")
         if self.report_only:  # cut short by its budget: report what finished, train nothing
-            results = {job: self.existing(job, cfgs[job[0]].train.iterations) for job in todo}
+            results = {}
+            for job in todo:
+                results[job] = self.existing(job, cfgs[job[0]].train.iterations)
+                self.keep(job, results[job])
         else:
             self.check_kernels()
             with tqdm(total=len(todo), desc=self.name, unit="run", disable=None) as self.bar, ThreadPoolExecutor(self.parallel) as pool:
-                futures = {job: pool.submit(self.run_one, job) for job in todo}
+                futures = {job: pool.submit(self.run_and_keep, job) for job in todo}
                 results = {job: f.result() for job, f in futures.items()}
             self.bar = None
         rows = self.rows(results)
