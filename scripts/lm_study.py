@@ -3,8 +3,14 @@
 says what each run is, what the report holds and how a study resumes.
 
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
-                               [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained]
+                               [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained|keep]
                                [--final-split dev|test] [--final-episodes N] [--force] [--carry REPORT] [--report-only]
+                               [--export DIR] [--allow-dirty]
+
+The keep study (issue 47, docs/lm_lora.md "The keep study's runner"), run or resumed by one command:
+
+    python scripts/lm_study.py --config-dir configs/lm_keep --arms joint frozen no_cross_trajectory --seeds S1 ... S5 \
+        --gate keep --final-split test --final-episodes 120 --export docs/results/lm_keep_runs/runs --out runs/lm_keep
 """
 from __future__ import annotations
 
@@ -36,7 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation (the reported "
                     "number; dev is also what the training curves use, so test is the held-out one)")
     ap.add_argument("--gate", default="chain", choices=GATES, help="the preregistered gate the report judges: chain (GATE, the memory "
-                    "chain studies) or pretrained (PRETRAINED_GATE, issue 39's SmolLM2 study)")
+                    "chain studies), pretrained (PRETRAINED_GATE, issue 39's SmolLM2 study) or keep (KEEP_GATE, issue 47's keep study)")
+    ap.add_argument("--export", metavar="DIR", help="copy each finished run's evidence (config, metrics, audit, final evaluation, code, "
+                    "curves, decoded summaries; no checkpoints) to DIR/ARM_seedS/ for committing; --carry checks carried rows against "
+                    "the files committed there")
+    ap.add_argument("--allow-dirty", action="store_true", help="write a report from a checkout with uncommitted changes (tests, trials; "
+                    "recorded in the report); without it the study refuses to start from a dirty tree (--quick allows it)")
     args = ap.parse_args(argv)
     if args.parallel < 1:
         ap.error("--parallel must be >= 1")
@@ -44,9 +55,11 @@ def main(argv=None) -> int:
         ap.error("--arms and --seeds must not repeat")
     if args.force and args.report_only:
         ap.error("--force reruns runs and --report-only trains none: use one")
+    if args.gate == "keep" and args.carry and not args.export:
+        ap.error("--gate keep carries a row only when its files match the committed run files: pass --export DIR (where they are committed)")
     return Study(args.arms, args.seeds, args.out, config_dir=args.config_dir, gate=args.gate, quick=args.quick, overrides=args.set,
                  parallel=args.parallel, final_episodes=args.final_episodes, final_split=args.final_split, report_only=args.report_only,
-                 force=args.force, carry=args.carry).main()
+                 force=args.force, carry=args.carry, export=args.export, allow_dirty=args.allow_dirty).main()
 
 
 if __name__ == "__main__":

@@ -380,3 +380,160 @@ def test_the_pretrained_gate_is_judged_seed_by_seed():
     assert out["verdict"] == "FAIL" and not out["checks"]["joint_gain_every_seed"]["pass"]
     assert gate(arms([0.6, None], [0.3, 0.3], [0.2, 0.2], [0.6, 0.6]))["verdict"] == "FAIL"  # a seed not evaluated
     assert gate(arms([0.6, 0.6], [0.3, 0.3], [0.2, 0.2], [0.6, 0.6], audit="FAIL"))["verdict"] == "FAIL"
+
+
+# ------------------------------------------------------------------------------------------------ the keep study (issue 47)
+KEEP_QUICK = ROOT / "tests" / "data" / "lm_keep_quick"
+
+
+def keep_run(successes=42, holds=84, not_holding_successes=12, episodes=120, judged=120, audit="PASS", iterations=2, split="test",
+             curve=(0, 2), summary=True) -> dict:
+    """A report row as the study writes it (the sweep's row with scripts/evaluate.py's counts), by hand."""
+    fe = {"split": split, "episodes": episodes, "successes": successes, "success": successes / episodes, "iteration": iterations}
+    if summary:
+        fe["summary"] = {"episodes_judged": judged, "holds": holds, "holds_frac": holds / judged if judged else None,
+                         "success_holds": successes - not_holding_successes, "success_not_holds": not_holding_successes}
+    return {"audit": audit, "curve": [[it, 0.1] for it in curve], "final_iteration": iterations, "final_eval": fe}
+
+
+def keep_arms(joint=None, frozen=None, other=None, seeds=("1", "2")) -> dict:
+    """Two seeds; seed "1" always at the defaults, seed "2" as given (each arm: keep_run's keywords)."""
+    out = {}
+    for arm, kw, base in (("joint", joint, {}), ("frozen", frozen, {"holds": 54, "successes": 20}), ("no_cross_trajectory", other, {"holds": 40})):
+        out[arm] = {"seeds": {k: keep_run(**{**base, **((kw or {}) if k == "2" else {})}) for k in seeds}}
+    return out
+
+
+def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
+    """KEEP_GATE on hand-made rows: counts exactly at each threshold pass, one count short fails, on any seed; exact
+    arithmetic (42/120 - 24/120 = 0.15 passes 0.15, which floats fail); a seed whose every summary holds passes the
+    not-holding check with "no episode"; a failed audit, a missing dev evaluation or summary block, or a final
+    evaluation on dev fails it naming what is missing; the secondary comparison is computed, never judged."""
+    from fractions import Fraction
+
+    from crl.experiments.lm_study import KEEP_GATE, keep_gate
+
+    shortcut = {"name": "first_3_records", "price_exact": "24/120", "split": "test"}
+    judge = lambda arms: keep_gate(arms, chance=Fraction(1, 4), shortcut=shortcut, iterations={a: 2 for a in arms})  # noqa: E731
+    assert 42 / 120 - 24 / 120 < 0.15 and Fraction(42, 120) - Fraction(24, 120) == KEEP_GATE["joint_success_over_best_shortcut"]
+
+    g = judge(keep_arms())  # joint 42/120 success, 84/120 holds vs frozen 54/120: at two thresholds at once
+    assert g["verdict"] == "PASS", g["checks"]
+    c = g["checks"]
+    assert c["joint_holds_minus_frozen"]["exact"] == "1/4" and c["joint_holds_minus_frozen"]["threshold_exact"] == "1/4"
+    assert c["joint_success_over_best_shortcut"]["exact"] == "3/20" and c["joint_success_over_best_shortcut"]["shortcut"] == "first_3_records"
+    assert c["joint_success_over_best_shortcut"]["per_seed"]["2"]["counts"] == "42/120 - 1/5"
+    assert c["joint_success_not_holding_over_chance"]["threshold_exact"] == "7/20" and g["shortcut"] == shortcut
+    assert set(c) == {*KEEP_GATE, "all_audits_pass", "every_run_complete"}
+    fails = lambda arms, check: (g := judge(arms))["verdict"] == "FAIL" and not g["checks"][check]["pass"] and g["checks"][check]["per_seed"]["1"]["pass"]  # noqa: E731
+
+    # holds >= 1/2: 60/120 passes, 59/120 fails (frozen below it by 1/4 or more)
+    assert judge(keep_arms(joint={"holds": 60}, frozen={"holds": 30}))["verdict"] == "PASS"
+    assert fails(keep_arms(joint={"holds": 59}, frozen={"holds": 29}), "joint_holds")
+    # holds >= frozen's + 1/4: 84/120 vs 54/120 passes (above), vs 55/120 fails
+    assert fails(keep_arms(frozen={"holds": 55}), "joint_holds_minus_frozen")
+    # success >= price + 15/100: 42/120 passes (above), 41/120 fails
+    assert fails(keep_arms(joint={"successes": 41}), "joint_success_over_best_shortcut")
+    # success where the summary does not hold <= 1/4 + 1/10 = 7/20: 7 of 20 not holding passes, 8 fails
+    assert judge(keep_arms(joint={"holds": 100, "not_holding_successes": 7}, frozen={"holds": 70}))["verdict"] == "PASS"
+    assert fails(keep_arms(joint={"holds": 100, "not_holding_successes": 8}, frozen={"holds": 70}), "joint_success_not_holding_over_chance")
+    every = judge(keep_arms(joint={"holds": 120, "not_holding_successes": 0}))  # every summary holds: no episode to judge
+    assert every["verdict"] == "PASS" and every["checks"]["joint_success_not_holding_over_chance"]["per_seed"]["2"]["note"].startswith("no episode")
+
+    # every audit (the third arm's too), every dev evaluation, a summary block, the test split
+    assert judge(keep_arms(other={"audit": "FAIL"}))["checks"]["all_audits_pass"]["pass"] is False
+    for arms, missing in [(keep_arms(frozen={"curve": (2,)}), "frozen seed 2: no dev evaluation at iteration 0"),
+                          (keep_arms(joint={"curve": (0, 1)}), "joint seed 2: no dev evaluation at its last iteration (2)"),
+                          (keep_arms(frozen={"summary": False}), "frozen seed 2: its final evaluation has no summary block"),
+                          (keep_arms(joint={"split": "dev"}), "joint seed 2: its final evaluation is on dev, the rule reads test")]:
+        g = judge(arms)
+        assert g["verdict"] == "FAIL" and not g["checks"]["every_run_complete"]["pass"]
+        assert any(m.startswith(missing) for m in g["checks"]["every_run_complete"]["missing"]), g["checks"]["every_run_complete"]
+    no_frozen_seed = keep_arms()
+    del no_frozen_seed["frozen"]["seeds"]["2"]
+    assert judge(no_frozen_seed)["checks"]["every_run_complete"]["missing"] == ["frozen seed 2: no run"]
+    assert keep_gate({"joint": {"seeds": {}}}, chance=Fraction(1, 4), shortcut=shortcut, iterations={}) is None
+
+    # secondary: joint - no_cross_trajectory per seed, a mean and a seeded bootstrap interval; an ordering only where it excludes 0
+    sec = judge(keep_arms(other={"holds": 90}))["secondary"]
+    assert sec["holds_frac"]["per_seed"] == {"1": {"value": 44 / 120, "exact": "11/30"}, "2": {"value": -6 / 120, "exact": "-1/20"}}
+    assert sec["holds_frac"]["mean_exact"] == "19/120" and sec["holds_frac"]["ci95"] == [-0.05, 44 / 120]
+    assert sec["holds_frac"]["interval_excludes_0"] is False and sec["holds_frac"]["ordering"] == "none claimed"
+    assert sec["success"]["interval_excludes_0"] is False and sec["success"]["mean"] == 0  # same successes
+    ahead = judge(keep_arms())["secondary"]["holds_frac"]
+    assert ahead["interval_excludes_0"] is True and ahead["ordering"] == "joint > no_cross_trajectory"
+    assert judge(keep_arms(other={"holds": 90}))["secondary"] == sec  # seeded: deterministic
+    only_two = keep_arms()
+    del only_two["no_cross_trajectory"]
+    assert "no no_cross_trajectory arm" in judge(only_two)["secondary"]["note"]
+
+
+def test_a_study_report_comes_from_a_clean_tree(tmp_path, monkeypatch):
+    """A dirty checkout is refused before anything trains, with one line saying how to proceed; --allow-dirty (or
+    --quick) lets it through, and the report records which."""
+    import crl.experiments.lm_study as lm_study
+
+    monkeypatch.setattr(lm_study, "git_state", lambda *a, **k: {"commit": "abc", "dirty": True})
+    args = (["joint", "frozen"], [1], tmp_path / "out")
+    with pytest.raises(SystemExit) as err:
+        lm_study.Study(*args, config_dir=KEEP_QUICK, gate="keep", final_split="test").main()
+    assert "\n" not in str(err.value) and "uncommitted changes" in str(err.value) and "--allow-dirty" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    tree = lm_study.Study(*args, config_dir=KEEP_QUICK, allow_dirty=True).check_clean_tree()
+    assert tree == {"commit": "abc", "clean": False, "dirty_allowed_by": "--allow-dirty"}
+    assert lm_study.Study(*args, config_dir=KEEP_QUICK, quick=True).check_clean_tree()["dirty_allowed_by"] == "--quick"
+    monkeypatch.setattr(lm_study, "git_state", lambda *a, **k: {"commit": "abc", "dirty": False})
+    assert lm_study.Study(*args, config_dir=KEEP_QUICK).check_clean_tree() == {"commit": "abc", "clean": True, "dirty_allowed_by": None}
+    # the keep rule reads the test split of a records task with a joint and a frozen arm: anything else is refused first
+    with pytest.raises(SystemExit, match="--final-split test"):
+        lm_study.Study(*args, config_dir=KEEP_QUICK, gate="keep", allow_dirty=True).main()
+    with pytest.raises(SystemExit, match="no frozen arm"):
+        lm_study.Study(["joint"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", allow_dirty=True).main()
+
+
+@pytest.mark.slow
+def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp_path):
+    """``--quick --gate keep`` on the tests' tiny records task (tests/data/lm_keep_quick): the three arms train, audit
+    and are evaluated on test; each finished run is exported for committing (its evidence files and its first and
+    last evidence iterations decoded, no checkpoint) with a 'ready to commit' line; the report carries the keep rule
+    computed from the study's own config (its verdict on a quick run means nothing), the secondary comparison, the
+    files' hashes, the commits that trained each run and the tree it came from; the PNG is written; a rerun trains
+    nothing and exports the same files."""
+    from crl.experiments.lm_study import KEEP_GATE
+    from crl.experiments.records_shortcuts import prices_table
+    from crl.io import sha256_file
+
+    out, export = tmp_path / "study", tmp_path / "export"
+    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--config-dir", str(KEEP_QUICK), "--arms", "joint", "frozen", "no_cross_trajectory",
+           "--seeds", "7", "--gate", "keep", "--final-split", "test", "--export", str(export), "--parallel", "1", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("ready to commit: ") == 3 and "keep rule: " in proc.stdout and "trained by: joint_seed7" in proc.stdout
+
+    report = json.loads((out / "report.json").read_text())
+    g = report["gate"]
+    assert report["gate_name"] == "keep" and g["verdict"] in ("PASS", "FAIL")
+    assert set(g["checks"]) == {*KEEP_GATE, "all_audits_pass", "every_run_complete"} and g["checks"]["every_run_complete"]["pass"], g["checks"]
+    test_prices = prices_table(load_config(KEEP_QUICK / "joint.yaml"), splits=("test",))["splits"]["test"]
+    assert g["shortcut"]["name"] == test_prices["best_shortcut"] and g["shortcut"]["price_exact"] == test_prices["best_shortcut_price_exact"]
+    assert g["chance"] == {"value": 0.25, "exact": "1/4"} and report["task"]["chance"] == 0.25 and report["task"]["n_values"] == 4
+    for quantity in ("success", "holds_frac"):
+        assert isinstance(g["secondary"][quantity]["interval_excludes_0"], bool) and g["secondary"][quantity]["seeds"] == 1
+    assert report["tree"]["commit"] == HEAD and (report["tree"]["clean"] or report["tree"]["dirty_allowed_by"] == "--quick")
+    for arm in ("joint", "frozen", "no_cross_trajectory"):
+        s = report["arms"][arm]["seeds"]["7"]
+        assert s["audit"] == "PASS" and s["final_eval"]["split"] == "test" and "episodes_judged" in s["final_eval"]["summary"], arm
+        assert [it for it, _ in s["curve"]] == [0, 1, 2] and report["trained_by"][f"{arm}_seed7"]["commit"] == HEAD
+        kept = export / f"{arm}_seed7"
+        assert sorted(p.name for p in kept.iterdir()) == sorted(["config.yaml", "metrics.jsonl", "audit.json", "audit.md", "code.json", "curves.png",
+                                                                 "eval_test_8.json", "timing.json", "summaries.jsonl"]), arm
+        assert s["files_sha256"] == {f: sha256_file(kept / f) for f in ("config.yaml", "audit.json", "eval_test_8.json")}  # what --carry checks
+        decoded = [json.loads(line) for line in (kept / "summaries.jsonl").read_text().splitlines()]
+        assert [d["iteration"] for d in decoded] == [0, 1] and all(d["task"] == "sequential_records" and "rows" in d for d in decoded)
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and again.stdout.count("finished earlier") == 3 and "start " not in again.stdout, again.stdout[-3000:]
+    assert again.stdout.count("ready to commit: ") == 3
+    assert json.loads((out / "report.json").read_text())["gate"]["checks"] == g["checks"]
