@@ -10,7 +10,9 @@ says what each run is, what the report holds and how a study resumes.
 The keep study (issue 47, docs/lm_lora.md "The keep study's runner"), run or resumed by one command:
 
     python scripts/lm_study.py --config-dir configs/lm_keep --arms joint frozen no_cross_trajectory --seeds S1 ... S5 \
-        --gate keep --final-split test --final-episodes 120 --export docs/results/lm_keep_runs/runs --out runs/lm_keep
+        --gate keep --final-split test --final-episodes 120 --export EXPORT_DIR --out runs/lm_keep
+
+EXPORT_DIR: where each finished run's evidence is copied and committed (a directory under docs/results/).
 """
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ GATE = {"joint_mean": 0.95, "joint_min": 0.90, "joint_minus_frozen": 0.30}
 #: dev success + 0.15 (the same dev episodes), on every seed; every audit PASS.
 PRETRAINED_GATE = {"joint_minus_frozen_every_seed": 0.15, "joint_gain_every_seed": 0.15}
 
-#: The keep study's rule (issue 47; docs/lm_lora.md, preregistered in docs/results/lm_keep_prereg.json), judged on the
+#: The keep study's rule (issue 47; docs/lm_lora.md; its preregistration is committed before any study run), judged on the
 #: integer counts of each run's final *test* evaluation (``scripts/evaluate.py``: its ``summary`` block), exactly
 #: (``fractions.Fraction``: 42/120 - 24/120 passes 15/100), on every seed: joint's summaries hold the asked key's final
 #: value in >= 1/2 of the judged episodes and in >= frozen's fraction (same seed) + 1/4; joint succeeds where its
