@@ -453,6 +453,11 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     del no_frozen_seed["frozen"]["seeds"]["2"]
     assert judge(no_frozen_seed)["checks"]["every_run_complete"]["missing"] == ["frozen seed 2: no run"]
     assert keep_gate({"joint": {"seeds": {}}}, chance=Fraction(1, 4), shortcut=shortcut, iterations={}) is None
+    stale = keep_arms()
+    stale["joint"]["seeds"]["2"]["final_eval"]["iteration"] = 1  # a carried row evaluated before its last iteration
+    assert judge(stale)["checks"]["every_run_complete"]["missing"] == ["joint seed 2: its final evaluation is of iteration 1, not its last (2)"]
+    nothing_judged = judge(keep_arms(joint={"judged": 0, "holds": 0, "not_holding_successes": 0}))
+    assert nothing_judged["verdict"] == "FAIL" and nothing_judged["checks"]["joint_holds"]["per_seed"]["2"]["note"].startswith("no episode judged")
 
     # secondary: joint - no_cross_trajectory per seed, a mean and a seeded bootstrap interval; an ordering only where it excludes 0
     sec = judge(keep_arms(other={"holds": 90}))["secondary"]

@@ -220,6 +220,8 @@ def run_missing(row: dict | None, iterations: int, split: str = KEEP_SPLIT) -> l
         missing.append(f"its final evaluation is on {fe.get('split')}, the rule reads {split} (--final-split {split})")
     elif "successes" not in fe or not isinstance(fe.get("summary"), dict) or "episodes_judged" not in fe["summary"]:
         missing.append("its final evaluation has no summary block (made by an older scripts/evaluate.py: evaluate it again)")
+    elif fe.get("iteration") != iterations:
+        missing.append(f"its final evaluation is of iteration {fe.get('iteration')}, not its last ({iterations})")
     return missing
 
 
@@ -250,12 +252,13 @@ def keep_gate(arms: dict, *, chance: Fraction, shortcut: dict, iterations: dict)
         j, f = joint[k], frozen[k]
         hj, hf = holds(j), holds(f)
         js = j["final_eval"]["summary"]
-        per["joint_holds"][k] = {**_value(hj), "counts": f"{js['holds']}/{js['episodes_judged']}",
+        none_judged = {"note": "no episode judged: no summary to read"}
+        per["joint_holds"][k] = {**_value(hj), "counts": f"{js['holds']}/{js['episodes_judged']}", **(none_judged if hj is None else {}),
                                  "pass": hj is not None and hj >= KEEP_GATE["joint_holds"]}
         gap = hj - hf if hj is not None and hf is not None else None
         per["joint_holds_minus_frozen"][k] = {**_value(gap), "counts": f"{js['holds']}/{js['episodes_judged']} - "
                                               f"{f['final_eval']['summary']['holds']}/{f['final_eval']['summary']['episodes_judged']}",
-                                              "pass": gap is not None and gap >= KEEP_GATE["joint_holds_minus_frozen"]}
+                                              **(none_judged if gap is None else {}), "pass": gap is not None and gap >= KEEP_GATE["joint_holds_minus_frozen"]}
         not_holding = int(js["episodes_judged"]) - int(js["holds"])
         rate = _ratio(js["success_not_holds"], not_holding)
         per["joint_success_not_holding_over_chance"][k] = {
