@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--critic-quality", type=int, default=0, metavar="N", help="instead: N training iterations per critic of --critics")
     parser.add_argument("--critics", nargs="*", default=list(CRITICS), choices=list(CRITICS))
-    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help="--critic-quality: the warm-start cache (default: a temporary one, removed)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -410,7 +410,7 @@ def main(argv=None) -> int:
         return 0
     out = {"config": args.config, "episodes": args.episodes}
     if args.critic_quality:
-        cache = tempfile.mkdtemp(prefix="bench_critic_warm_start_")
+        cache = args.cache_dir or tempfile.mkdtemp(prefix="bench_critic_warm_start_")  # one warm start, shared by the critics
         try:
             runs = []
             for name in args.critics:
@@ -420,7 +420,8 @@ def main(argv=None) -> int:
                 print(f"critic {name}: {args.critic_quality} iterations in {runs[-1]['seconds']:.0f} s; last explained_variance "
                       f"{last['critic/explained_variance']}, loss_critic {last['critic/loss_critic']}", flush=True)
         finally:
-            shutil.rmtree(cache, ignore_errors=True)
+            if not args.cache_dir:
+                shutil.rmtree(cache, ignore_errors=True)
         out["critic_quality"] = runs
     else:
         limits = before = machine_limits(args.threads)
