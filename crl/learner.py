@@ -338,7 +338,10 @@ class PrefixSharedForward(TensorDictModuleBase):
         # a dummy forward also has a backward (ZeRO-3 gathers per module in backward too); a rank with no row uses pads
         two = tokens[:1, :2] if S and T >= 2 else tokens.new_zeros((1, 2))
         for _ in range(extra):  # keep ranks in lock-step; the outputs join the graph with weight 0
-            res = self.net(two, torch.ones_like(two))
+            # the real forwards' path (with ``needed``: the head on needed positions only), so every rank runs the
+            # same modules in the same order: ZeRO-3's gathers are collectives matched call by call
+            res = self.net(two, torch.ones_like(two)) if needed is None else \
+                self.net(two, torch.ones_like(two), needed=torch.zeros_like(two, dtype=torch.bool))
             res = (res,) if isinstance(res, Tensor) else tuple(res)
             z = sum(x.sum() for x in res) * 0.0
             dummy = z if dummy is None else dummy + z
@@ -357,7 +360,7 @@ class PrefixSharedForward(TensorDictModuleBase):
             elif not S:  # no row: an empty output (the per-token outputs are [S, T])
                 out = torch.zeros((0, T), device=dev)
             else:  # no valid token anywhere: what a padded forward writes
-                res = self.net(tokens, mask)
+                res = self.net(tokens, mask) if needed is None else self.net(tokens, mask, needed=needed)
                 res = (res,) if isinstance(res, Tensor) else tuple(res)
                 out = res[self.out_keys.index(key)]
             if dummy is not None:

@@ -295,11 +295,11 @@ def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
     refused = {(1, ()): r"worker 1 applied 3 of the 4 tensors written \(read 4\)",
                (0, ("model.norm.weight",)): r"worker 1 left 1 parameter\(s\) with their old weights \(model\.norm\.weight\)"}
     for (lose, stale), message in refused.items():
-        t = NS(weights_dir=tmp_path / "weights", local_rank=0, models=NS(lm=lm), backend=backend(lose=lose, stale=stale))
+        t = NS(weights_dir=tmp_path / "weights", local_rank=0, merged=None, models=NS(lm=lm), backend=backend(lose=lose, stale=stale))
         with pytest.raises(WeightSyncError, match=message + r".*policy_version stays 3 \(not 4\)"):
             Sampler.sync(t, 4)
         assert t.backend.policy_version == 3 and not (tmp_path / "weights").exists()
-    t = NS(weights_dir=tmp_path / "weights", local_rank=0, models=NS(lm=lm), backend=backend())
+    t = NS(weights_dir=tmp_path / "weights", local_rank=0, merged=None, models=NS(lm=lm), backend=backend())
     Sampler.sync(t, 4)
     assert t.backend.policy_version == 4 and t.backend.llm.directories == [tmp_path / "weights"]
 
