@@ -73,7 +73,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {  # name: (parent, overrides): each variant is its parent's overrides plus its own
-    "before": (None, ["model.lora.enabled=false", "model.share_critic_backbone=false", "model.lora.merge_for_sampling=false"]),
+    # the first SmolLM2 run's recipe, whatever --config says (configs/lm_keep takes one policy step per iteration)
+    "before": (None, ["model.lora.enabled=false", "model.share_critic_backbone=false", "model.lora.merge_for_sampling=false",
+                      "train.policy_minibatches=4", "train.micro_batches=8"]),
     "kv_reuse": ("before", []),
     "batched": ("kv_reuse", []),
     "lora": ("batched", ["model.lora.enabled=true"]),

@@ -214,6 +214,10 @@ class WarmStartConfig:
     enabled: bool = True
     steps: int = 200
     batch_episodes: int = 16
+    # forward/backward passes per step, each over whole rows of the step's batch (its gradient unchanged): the
+    # activations and logits of batch_episodes long episodes at once outgrow a CPU's memory (SmolLM2 on
+    # configs/lm_keep: ~12 rows of ~450 tokens peak at 11-17 GB in one pass). <= batch_episodes; 1 with summary_content=balanced
+    micro_batches: int = 1
     lr: float = 3e-3
     summary_content: str = "random"  # random | untrained | format | balanced (see crl/warm_start/demonstrations.py): never the correct content
     # format-only summaries drawn per compaction point with format / balanced: a content position's set is what they
@@ -533,6 +537,11 @@ def validate(cfg: Config) -> None:
     _need(r in ("auto", "force", "never") or (Path(r) / "meta.json").is_file(), "checkpoint.resume",
           f"{r!r} is neither auto, force, never nor a complete checkpoint directory (one with meta.json)")
     _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
+    w = cfg.warm_start
+    _need(1 <= w.micro_batches <= w.batch_episodes, "warm_start.micro_batches",
+          f"between 1 and warm_start.batch_episodes={w.batch_episodes} (each micro-batch holds whole rows, at least one per episode)")
+    _need(w.micro_batches == 1 or w.summary_content != "balanced", "warm_start.micro_batches",
+          "1 with warm_start.summary_content=balanced (its balance term is a function of the whole batch)")
     _need(cfg.warm_start.stop_answer_p is None or 0 < cfg.warm_start.stop_answer_p <= 1, "warm_start.stop_answer_p", "a probability in (0, 1], or null")
     _need(cfg.warm_start.probe_every >= 1, "warm_start.probe_every", ">= 1")
     _need(cfg.warm_start.probe_tasks >= 1, "warm_start.probe_tasks", ">= 1")

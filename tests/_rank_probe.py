@@ -6,7 +6,8 @@ Writes RUN_DIR/probe_rank{r}.json on every rank:
 * ``warm_start_calls`` / ``demonstration_batches``: how often this rank ran ``crl.warm_start.warm_start`` and how
   many demonstration batches it trained on (its warm-start steps);
 * ``policy_sha256`` / ``frozen_sha256``: SHA-256 of the full policy weights (gathered one module at a time under
-  ZeRO-3) and of the frozen-summary copy, right after the trainer is built;
+  ZeRO-3) and of the frozen-summary copy, right after the trainer is built; ``policy_sum_squares``: each policy
+  tensor's sum of squares then (weights compared within a float tolerance);
 * ``dummy_forwards``: lock-step dummy forwards of the ZeRO-3 sampler.
 
 ``CRL_PROBE_FAIL_RANK=R`` makes every training episode of rank R fail (its environment raises at the first step):
@@ -44,8 +45,9 @@ def probe(name, module):
                      "placeholders_empty": all(p.numel() == 0 for p in module.parameters() if is_partitioned(p))}
 
 
-def digest(module) -> str:
-    """SHA-256 of every parameter and buffer in name order, each gathered whole (one module at a time)."""
+def digest(module, sums: list | None = None) -> str:
+    """SHA-256 of every parameter and buffer in name order, each gathered whole (one module at a time); ``sums``
+    (a list) gets each tensor's sum of squares in fp64, a fingerprint to compare within a float tolerance."""
     h = hashlib.sha256()
     for mod_name, mod in module.named_modules():
         params = list(mod.named_parameters(recurse=False))
@@ -61,6 +63,8 @@ def digest(module) -> str:
             for n, t in params + list(mod.named_buffers(recurse=False)):
                 h.update(f"{mod_name}.{n}".encode())
                 h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                if sums is not None and t.is_floating_point():
+                    sums.append(float(t.detach().double().pow(2).sum()))
     return h.hexdigest()
 
 
@@ -139,7 +143,8 @@ def main():
     i = args.index("--config")
     cfg = load_config(args[i + 1], args[:i] + args[i + 2:])
     t = trainer_mod.Trainer(cfg)
-    records["policy_sha256"] = digest(t.lm)
+    records["policy_sum_squares"] = []
+    records["policy_sha256"] = digest(t.lm, records["policy_sum_squares"])
     records["frozen_sha256"] = digest(t.models.frozen_lm) if t.models.frozen_lm is not None else None
     t.fit()
     records["dummy_forwards"] = getattr(t.sampler.gen_lm, "dummy_forwards", None)

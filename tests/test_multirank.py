@@ -130,6 +130,22 @@ def test_zero3_warm_start_stopping_rule_is_agreed(tmp_path):
     assert [r["warm_start/steps"] for r in metrics(run) if "warm_start/steps" in r] == [2]
 
 
+def test_zero3_micro_batched_warm_start_takes_the_whole_batch_step(tmp_path):
+    """ZeRO-3: warm_start.micro_batches=2 makes the warm start's DeepSpeed engine accumulate two backwards per step,
+    each loss over the whole batch's token count (not scaled again by 1/2), and step once: after 3 steps the weights
+    equal the one-pass warm start's within float summation error. An engine that stepped after every micro-batch
+    moves them by ~lr per step (checked by swapping gradient_accumulation_steps=1 in: 0.055 vs 4.4e-4 allowed). (A loss
+    halved again would not show: Adam's step is invariant to the loss's scale, up to its eps.)"""
+    common = ["train.iterations=1", "warm_start.steps=3"]
+    launch(1, tmp_path / "one", *common, deepspeed=3, script="tests/_rank_probe.py")
+    launch(1, tmp_path / "two", *common, "warm_start.micro_batches=2", deepspeed=3, script="tests/_rank_probe.py")
+    (one,), (two,) = probes(tmp_path / "one", 1), probes(tmp_path / "two", 1)
+    assert [p["demonstration_batches"] for p in (one, two)] == [3, 3]
+    assert len(one["policy_sum_squares"]) == len(two["policy_sum_squares"]) > 0
+    for a, b in zip(one["policy_sum_squares"], two["policy_sum_squares"]):
+        assert abs(a - b) <= 1e-4 * abs(a) + 1e-6, (a, b)
+
+
 def test_a_rank_whose_episodes_all_failed_still_takes_part(tmp_path):
     """ZeRO-3, 2 ranks, rank 1's every training episode fails (dropped): rank 1 has no trainable row but the other
     has, so the update happens; rank 1 makes the same forward/backward calls on placeholder rows (no deadlock, no

@@ -333,3 +333,61 @@ def test_a_key_of_two_tokens_no_longer_leaves_the_summary_untrained():
             assert trained == [w for w in words if w in ("=", ",", EOS)], words
             assert set(a for a in alt[r, pos[0]].tolist() if a >= 0) == keys  # 128 draws: every one-token key
     assert summaries == 6
+
+
+@pytest.mark.parametrize("summary_content", ["format", "random"])
+def test_micro_batches_split_the_loss_and_its_gradient_exactly(summary_content):
+    """``warm_start.micro_batches``: the batch's rows in micro-batches of whole rows, each cut to its longest row, each
+    loss over the whole batch's count: the losses sum to the whole batch's loss and the gradients to its gradient
+    (fp32 tolerance), with and without the content alternatives of ``format``."""
+    from crl.warm_start.demonstrations import micro_batches_of, nll_loss, optimized_count
+
+    batch = demonstration_batch(SUITE, CompactionEngine(CFG, encode, eos_id=EOS_ID), encode, EOS_ID, 6, random.Random(3), summary_content)
+    lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+    actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    whole = nll_loss(actor, batch)
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad()
+    chunks, count, total = micro_batches_of(batch, 4), optimized_count(batch), 0.0
+    lengths = sorted(int(x) for x in batch["attention_mask"].sum(-1))
+    assert len(chunks) == 4 and sorted(int(x) for c in chunks for x in c["attention_mask"].sum(-1)) == lengths
+    assert len({c["tokens"].shape[1] for c in chunks}) > 1  # cut to their own widths: the rows differ in length
+    for chunk in chunks:
+        assert chunk["tokens"].shape[1] == int(chunk["attention_mask"].sum(-1).max())
+        part = nll_loss(actor, chunk, count=count)
+        part.backward()
+        total += float(part.detach())
+    assert total == pytest.approx(float(whole), rel=1e-5)
+    for n, p in lm.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-4, atol=1e-7, msg=n)
+    with pytest.raises(ValueError, match="whole batch"):
+        nll_loss(actor, chunks[0], balance=True, count=count)
+
+
+def test_a_micro_batched_warm_start_takes_the_whole_batch_steps():
+    """The same warm start in 1 and in 3 micro-batches per step: the same weights after 4 Adam steps (float summation
+    order apart), so micro_batches is a memory setting, not a recipe change."""
+    weights = []
+    for n in (1, 3):
+        lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+        actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+        warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=4, batch_episodes=4, lr=3e-3, seed=0, micro_batches=n,
+                   summary_content="format", progress=False)
+        weights.append({k: v.clone() for k, v in lm.state_dict().items()})
+    moved = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0).state_dict()
+    for k, v in weights[0].items():
+        torch.testing.assert_close(weights[1][k], v, rtol=1e-3, atol=3e-5, msg=k)
+    assert max(float((weights[0][k] - moved[k]).abs().max()) for k in moved) > 1e-3  # 4 steps of 3e-3 moved the weights
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["warm_start.batch_episodes=4", "warm_start.micro_batches=5"], "between 1 and warm_start.batch_episodes=4"),
+    (["warm_start.micro_batches=0"], "between 1"),
+    (["warm_start.summary_content=balanced", "warm_start.micro_batches=2"], "balanced"),
+])
+def test_impossible_warm_start_micro_batches_fail_at_load(overrides, match):
+    from crl.config import ConfigValidationError, load_config
+
+    with pytest.raises(ConfigValidationError, match=match):
+        load_config("configs/default.yaml", overrides)

@@ -141,24 +141,38 @@ def demonstration_batch(
     return batch
 
 
-def nll_loss(actor_module, batch: TensorDict, balance: bool = False) -> torch.Tensor:
+def optimized_count(batch: TensorDict) -> torch.Tensor:
+    """``Σ m + Σ c``: the batch's optimized tokens and content positions, the denominator of :func:`nll_loss` (no forward)."""
+    count = batch["loss_mask"].sum()
+    if "content_alternatives" in batch.keys():
+        count = count + (batch["content_alternatives"] >= 0).any(-1).sum()
+    return count
+
+
+def nll_loss(actor_module, batch: TensorDict, balance: bool = False, count: torch.Tensor | None = None) -> torch.Tensor:
     """Mean negative log-likelihood of the batch's optimized tokens under the actor (teacher forcing):
     ``-(Σ m·log π(x_t) + Σ c·log Σ_{a ∈ A_t} π(a)) / (Σ m + Σ c)``, the second sum over the content positions ``c``
     of ``content_alternatives`` (``summary_content="format"``; absent: the first sum alone).
+
+    ``count``: the denominator when ``batch`` is one micro-batch of a larger batch (that batch's
+    :func:`optimized_count`): the micro-batches' losses then sum to the whole batch's, and so do their gradients.
+    Not with ``balance``, whose term is a function of the whole batch's mean.
 
     ``balance`` (``summary_content="balanced"``) adds, per distinct alternative set ``A`` (``K`` tokens), weighted by
     its share of the content positions, ``KL(u ‖ m) = -log K - (1/K) Σ_k log m_k`` with ``m = mean_c q_c`` over the
     positions holding ``A`` and ``q_c = softmax_A(log π(a | ·))`` the position's distribution *within* ``A`` (nats; 0
     iff the codes are equally frequent over the batch)."""
+    if balance and count is not None:
+        raise ValueError("the balanced term is a function of the whole batch: it cannot be split into micro-batches")
     mask = batch["loss_mask"]
     if "content_alternatives" not in batch.keys():
         out = actor_module(batch.select("tokens", "attention_mask"))
-        return -(out["log_prob"] * mask).sum() / mask.sum().clamp_min(1)
+        return -(out["log_prob"] * mask).sum() / (mask.sum() if count is None else count).clamp_min(1)
     alt = batch["content_alternatives"]
     # the wrapped module (CausalLMLogProbs, or a DeepSpeed engine around it) takes the alternatives directly
     log_prob, _, log_prob_set, per_alternative = actor_module.module(batch["tokens"], batch["attention_mask"], alternatives=alt)
     slot = (alt >= 0).any(-1)
-    loss = -((log_prob * mask).sum() + (log_prob_set * slot).sum()) / (mask.sum() + slot.sum()).clamp_min(1)
+    loss = -((log_prob * mask).sum() + (log_prob_set * slot).sum()) / ((mask.sum() + slot.sum()) if count is None else count).clamp_min(1)
     if not balance or not bool(slot.any()):
         return loss
     sets, within = alt[slot], (per_alternative[slot] - log_prob_set[slot].unsqueeze(-1)).exp()  # [N, K] each
@@ -168,6 +182,21 @@ def nll_loss(actor_module, batch: TensorDict, balance: bool = False) -> torch.Te
         m = within[rows][:, k].mean(0)  # the batch's code frequencies within this set
         imbalance = imbalance + rows.float().mean() * (-math.log(int(k.sum())) - m.log().mean())
     return loss + imbalance
+
+
+def micro_batches_of(batch: TensorDict, n: int) -> list[TensorDict]:
+    """The keys :func:`nll_loss` reads of ``batch``'s rows in ``min(n, rows)`` micro-batches of similar length (rows sorted by length, then split), each cut
+    to its longest row. Exact: rows are right-padded and the model is causal, so the cut positions change no kept
+    position's log-probability; a micro-batch holds whole rows, so the per-row terms of :func:`nll_loss` are unchanged.
+    Why: the warm start's forward over a whole batch keeps every layer's activations and the ``[B, T, vocab]`` logits
+    (12 rows of ~450 tokens of SmolLM2: ~11-17 GB peak RSS on a CPU)."""
+    keys = [k for k in ("tokens", "attention_mask", "loss_mask", "content_alternatives") if k in batch.keys()]  # nll_loss's
+    lengths, per_position = batch["attention_mask"].sum(-1), batch.select(*keys)
+    chunks = []
+    for rows in torch.tensor_split(lengths.argsort(stable=True), min(n, batch.batch_size[0])):
+        width = int(lengths[rows].max())
+        chunks.append(per_position[rows].apply(lambda t: t[:, :width]))
+    return chunks
 
 
 def answer_probability(actor_module: TensorDictModule, suite, engine: CompactionEngine, encode, eos_id: int, *,
@@ -214,6 +243,7 @@ def warm_start(
     batch_episodes: int,
     lr: float,
     seed: int,
+    micro_batches: int = WarmStartConfig.micro_batches,
     summary_content: str = WarmStartConfig.summary_content,
     format_draws: int = WarmStartConfig.format_draws,  # how many, and why: crl.config.WarmStartConfig
     log: Callable[[dict, int], None] | None = None,
@@ -240,8 +270,12 @@ def warm_start(
     Gradients are cleared at the end so none leaks into the first PPO step. ``prompt_format``: the run's
     :class:`crl.chat.PromptFormat` (default: plain), so demonstrations are rendered like collected episodes.
     ``optimizer_step``: backward and step of ``loss`` done by the caller (a DeepSpeed ZeRO-3 engine with an Adam of
-    learning rate ``lr``, no clipping, one micro-batch per step: the same update on partitioned weights) instead of
-    a local ``torch.optim.Adam``.
+    learning rate ``lr``, no clipping, ``micro_batches`` backwards per step: the same update on partitioned weights) instead of
+    a local ``torch.optim.Adam``. ``micro_batches``: each step's batch runs forward and backward in that many
+    micro-batches (:func:`micro_batches_of`), each loss over the whole batch's :func:`optimized_count`, so the step's
+    gradient is the whole batch's (up to float summation order) at a fraction of the activation memory; with
+    ``optimizer_step`` it is called once per micro-batch (a DeepSpeed engine accumulating ``micro_batches`` of them
+    per step, as :func:`crl.warm_start.policy.warm_start_policy` builds it).
 
     ``stop_answer_p``: a reading-skill stopping rule. Every ``probe_every`` steps the answer probe runs on the
     last stage with compaction, on the first ``probe_tasks`` *train* tasks (dev stays unseen; the final visible and
@@ -297,13 +331,33 @@ def warm_start(
         batch = demonstration_batch(stages[i][0], engines[i][step % 2], encode, eos_id, batch_episodes, rng, summary_content, format_draws)
         if device is not None:
             batch = batch.to(device)
-        loss = nll_loss(actor_module, batch, balance=summary_content == "balanced")
-        if opt is None:
-            optimizer_step(loss)
+        if micro_batches == 1:
+            loss = nll_loss(actor_module, batch, balance=summary_content == "balanced")
+            if opt is None:
+                optimizer_step(loss)
+            else:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
         else:
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            if summary_content == "balanced":
+                raise ValueError("warm_start.summary_content=balanced needs warm_start.micro_batches=1 (its term couples the batch's rows)")
+            count, loss = optimized_count(batch), 0.0
+            chunks = micro_batches_of(batch, micro_batches)
+            if opt is not None:
+                opt.zero_grad()
+            # every episode gives a row, so micro_batches <= batch_episodes (crl.config) makes exactly micro_batches
+            # chunks: the number of backwards a DeepSpeed engine counts to a step
+            assert len(chunks) == micro_batches, (len(chunks), micro_batches)
+            for chunk in chunks:
+                part = nll_loss(actor_module, chunk, count=count)
+                if opt is None:
+                    optimizer_step(part)
+                else:
+                    part.backward()
+                loss = loss + part.detach()
+            if opt is not None:
+                opt.step()
         bar.set_postfix(nll=f"{loss.item():.3f}")
         line, stop = ({"warm_start/nll": loss.item()} if step % 10 == 0 else {}), False
         if stop_answer_p is not None and (step + 1) % probe_every == 0 and step != steps - 1:

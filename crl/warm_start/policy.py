@@ -73,23 +73,25 @@ def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, z
         net, engine, step = CausalLMLogProbs(lm, cfg.model.temperature), None, None
         if zero3_config is not None:
             # The weights are partitioned: train them through a DeepSpeed engine of their own, built for the warm
-            # start's update (Adam at warm_start.lr, no clipping, one micro-batch per step) and destroyed after it, so
+            # start's update (Adam at warm_start.lr, no clipping, warm_start.micro_batches backwards per step) and destroyed after it, so
             # the actor engine's optimizer starts fresh as on one process. Every rank plays the same demonstrations
             # and DeepSpeed averages the gradients over ranks: the update of the full-weight warm start.
             import deepspeed
 
-            ds = {**copy.deepcopy(zero3_config), "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
+            # warm_start.micro_batches backwards per step: the engine accumulates that many, and scales each loss by
+            # 1 / their number, which the warm start's losses (each over the whole batch's count) must not get
+            ds = {**copy.deepcopy(zero3_config), "gradient_accumulation_steps": w.micro_batches, "gradient_clipping": 0.0}
             opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=w.lr)
             engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=ds)
 
             def step(loss):
-                engine.backward(loss)
-                engine.step()
+                engine.backward(loss, scale_wrt_gas=False)
+                engine.step()  # an update at every micro_batches-th call (the engine's accumulation boundary)
         try:
             return warm_start(
                 TensorDictModule(engine if engine is not None else net, list(MODEL_IN_KEYS), ["log_prob", "entropy"]),
                 [(suite, build_compaction_config(cfg, suite)) for suite in suites],
-                codec.encode, codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
+                codec.encode, codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed, micro_batches=w.micro_batches,
                 summary_content=w.summary_content, format_draws=w.format_draws, log=log, progress=rank == 0 and cfg.logging.progress,
                 device=device if zero3_config is not None else next(lm.parameters()).device, prompt_format=prompt_format, optimizer_step=step,
                 stop_answer_p=w.stop_answer_p, probe_every=w.probe_every, probe_tasks=w.probe_tasks,
