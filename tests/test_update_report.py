@@ -58,3 +58,55 @@ def test_the_logged_metrics_follow_from_the_record():
                    "perf/learner_tokens_per_s": (1 + 1 + 2 + 3) * 100.0 / 2.0}
     # a critic warm-up iteration: no policy step, no actor grad norm, no summary token: none of their keys
     assert set(UpdateReport().metrics("cpu", learner_tokens=1.0, policy_epochs=1)) == set()
+
+
+def _whole_batch_ev(batch) -> float:
+    """``1 - Var(y - V) / Var(y)`` over the batch's optimized tokens, a plain float64 computation on the tensors."""
+    m = batch["loss_mask"].bool()
+    y, v = batch["value_target"][m].double(), batch["state_value"][m].double()
+    return float(1 - (y - v).var(unbiased=False) / y.var(unbiased=False))
+
+
+@pytest.mark.parametrize("critic", ["separate", "shared_one_step"])
+def test_explained_variance_is_the_whole_steps_not_a_mean_over_micro_batches(tmp_path, critic):
+    """An optimizer step in 4 micro-batches logs one explained variance, over all of the step's optimized tokens: the
+    plain computation on the batch's value targets and the values the step's forward gave (the values pass's, same
+    weights, for a separate critic; the step's own for a shared trunk with one policy step). A mean of per-micro-batch
+    ratios is another number, unbounded below where a micro-batch's targets are nearly constant (one episode's rows:
+    -952 on configs/lm_keep's 32 micro-batches)."""
+    from pathlib import Path
+
+    from crl.config import load_config
+    from crl.trainer import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    arm = ["train.critic_updates=1"] if critic == "separate" else ["model.share_critic_backbone=true", "train.policy_minibatches=1"]
+    cfg = load_config(root / "configs" / "default.yaml", [
+        f"run_dir={tmp_path / 'run'}", "train.iterations=1", "train.episodes_per_batch=4", "train.micro_batches=4",
+        "train.critic_warmup_iterations=0", "warm_start.steps=5", "warm_start.stop_answer_p=null", "eval.episodes=2",
+        "logging.wandb_mode=disabled", "logging.progress=false", "model.value_head_init=normal", "env.invalid_command=observe", *arm])
+    trainer = Trainer(cfg)
+    try:
+        batch = trainer.compute_advantages(trainer.collect(), iteration=0)
+        if critic == "separate":
+            trainer.update_critic(batch)
+        else:
+            trainer.update_policy(batch, 0)
+            assert trainer.ppo.report.values_in_policy_step
+        logged = trainer.ppo.report.critic.explained_variance
+        assert len(logged) == 1 and int(batch["loss_mask"].sum()) > 0
+        assert logged[0] == pytest.approx(_whole_batch_ev(batch), abs=1e-4)
+    finally:
+        trainer.close()
+
+
+def test_explained_variance_of_pools_moments():
+    """``explained_variance_of`` on the summed moments of two halves equals the ratio over the whole (float64)."""
+    from crl.objectives import explained_variance_of
+
+    g = torch.Generator().manual_seed(0)
+    y, v = torch.randn(50, generator=g, dtype=torch.float64), torch.randn(50, generator=g, dtype=torch.float64)
+    r = y - v
+    moments = sum(torch.stack([y[s].sum(), y[s].square().sum(), r[s].sum(), r[s].square().sum()]) for s in (slice(0, 20), slice(20, 50)))
+    assert explained_variance_of(moments, 50) == pytest.approx(float(1 - r.var(unbiased=False) / y.var(unbiased=False)), rel=1e-12)
+    assert math.isnan(explained_variance_of(torch.tensor([2.0, 4.0, 0.0, 1.0]), 1)) and math.isnan(explained_variance_of(torch.zeros(4), 0))

@@ -16,7 +16,7 @@ _EXPORTS = {
     "adaptive_lambda": "functional", "cross_trajectory_gae": "functional", "masked_whiten": "functional",
     "next_segment_start_value": "functional",
     "EstimatorOptionError": "options", "check_estimator_options": "options",
-    "AGGREGATIONS": "ppo", "KL_TARGETS": "ppo", "CompactionPPOLoss": "ppo",
+    "AGGREGATIONS": "ppo", "KL_TARGETS": "ppo", "CompactionPPOLoss": "ppo", "explained_variance_of": "ppo",
     "CrossTrajectoryGAE": "value",
     "GroupRelativeAdvantage": "group", "group_relative_advantage": "functional",
 }

@@ -30,10 +30,22 @@ from crl.episode import SegmentKind
 from crl.objectives.distributed import LossNormalizer, dist_ready, make_normalizer
 from crl.objectives.value import CrossTrajectoryGAE
 
-__all__ = ["AGGREGATIONS", "KL_TARGETS", "CompactionPPOLoss"]
+__all__ = ["AGGREGATIONS", "KL_TARGETS", "CompactionPPOLoss", "explained_variance_of"]
 
 AGGREGATIONS = ("token_sum_global", "segment_mean", "microbatch_token_mean")
 KL_TARGETS = ("behaviour", "reference")
+
+
+def explained_variance_of(moments: Tensor, n_tokens: int) -> float:
+    """``1 - Var(y - V) / Var(y)`` over ``n_tokens`` tokens from ``moments`` = ``[Σ y, Σ y², Σ r, Σ r²]`` (``r = y - V``,
+    summed over a step's micro-batches and ranks: the loss's ``sum_ev_moments``); NaN where ``Var(y) = 0`` or no token.
+    The explained variance of the whole step's batch, as TorchRL and SB3 log it over a rollout buffer, not a mean of
+    per-micro-batch ratios."""
+    if n_tokens <= 0:
+        return float("nan")
+    sy, syy, sr, srr = (float(x) / n_tokens for x in moments.to(torch.float64))
+    var_y, var_r = syy - sy * sy, srr - sr * sr
+    return 1 - var_r / var_y if var_y > 0 else float("nan")
 
 
 class CompactionPPOLoss(LossModule):
@@ -94,7 +106,9 @@ class CompactionPPOLoss(LossModule):
     ``sum_entropy``, ``sum_kl`` (aggregation-weighted, detached); ``num_tokens`` / ``num_segments`` of this
     micro-batch; metrics over its optimized tokens: ``clip_fraction``, ``approx_kl`` (``E[(ρ-1) - log ρ]``),
     ``entropy`` (the actor's entropy if it writes one, else the sample estimate ``E[-log π_θ]``),
-    ``explained_variance`` (``1 - Var(y - V_θ) / Var(y)``, NaN if ``Var(y) = 0``), per segment kind
+    ``explained_variance`` (``1 - Var(y - V_θ) / Var(y)``, NaN if ``Var(y) = 0``; ``sum_ev_moments``, float64
+    ``[Σ y, Σ y², Σ (y - V_θ), Σ (y - V_θ)²]`` over the optimized tokens, pools it over micro-batches:
+    :func:`explained_variance_of`), per segment kind
     ``num_tokens_{execution,summary}``, ``objective_{execution,summary}`` (the kind's signed part of
     ``loss_objective``; the two add up to it), ``share_{objective,critic}_{execution,summary}`` (the kind's
     share of ``Σ|w ℓ|``) and, when the actor writes ``"entropy"``, ``sum_entropy_{execution,summary}`` (float64,
@@ -440,6 +454,9 @@ class CompactionPPOLoss(LossModule):
                 var_r = mean(r64.square()) - mean(r64).square()
                 ev = 1 - var_r / var_y if float(var_y) > 0 else torch.tensor(float("nan"), dtype=torch.float64)
                 out.set("explained_variance", ev.to(f))
+                # the moments a step pools over its micro-batches (explained_variance_of): a micro-batch of one
+                # episode's rows has nearly constant targets, and a mean of per-micro-batch ratios explodes
+                out.set("sum_ev_moments", torch.stack([on(y64).sum(), on(y64.square()).sum(), on(r64).sum(), on(r64.square()).sum()]))
             kind = td.get(k.segment_kind, None)
             if kind is not None:
                 scale = normalizer.grad_scale / self.denominator(normalizer, n_tokens)

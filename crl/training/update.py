@@ -20,7 +20,7 @@ from crl.config import Config
 from crl.episode import SegmentKind
 from crl.learner import microbatch_rows, placeholder_row, plan_forward
 from crl.modules.networks import MODEL_IN_KEYS
-from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage
+from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeAdvantage, explained_variance_of
 from crl.objectives.distributed import all_reduce_sum
 from crl.training.accelerator import mean_over_ranks
 
@@ -364,11 +364,18 @@ class PPOUpdate:
             else:
                 self.accelerator.backward(loss)
             outs.append(out)
+        critic_metrics = report.critic if name == "critic" or shared else None  # where this step's value loss is logged
         for out in outs:  # a dropped step's metrics too: its approx_kl is why it was dropped
+            out = out.exclude("explained_variance")  # the step's own, pooled below: not a mean of micro-batch ratios
             if name == "actor" and shared:  # the value loss's metrics are the critic's (critic/loss_critic, critic/explained_variance)
                 report.critic.add(out.select(*[k for k in out.keys() if k in CRITIC_METRICS]))
                 out = out.exclude(*CRITIC_METRICS)
             metrics.add(out)
+        if critic_metrics is not None and all("sum_ev_moments" in o.keys() for o in outs):
+            # explained variance over the step's whole batch (every micro-batch, every rank): the same on every rank
+            pooled = all_reduce_sum(torch.stack([torch.cat([o["sum_ev_moments"].to(torch.float64).cpu(),
+                                                            torch.tensor([float(o["num_tokens"])], dtype=torch.float64)]) for o in outs]).sum(0).to(self.device))
+            critic_metrics.explained_variance.append(explained_variance_of(pooled[:4], int(pooled[4])))
         if max_kl is not None:
             kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
                                              dtype=torch.float64, device=self.device).reshape(-1, 2).sum(0))
