@@ -331,33 +331,23 @@ def warm_start(
         batch = demonstration_batch(stages[i][0], engines[i][step % 2], encode, eos_id, batch_episodes, rng, summary_content, format_draws)
         if device is not None:
             batch = batch.to(device)
-        if micro_batches == 1:
-            loss = nll_loss(actor_module, batch, balance=summary_content == "balanced")
+        # one pass over the batch, or micro_batches passes of whole rows each over the batch's count (the same gradient);
+        # every episode gives a row, so micro_batches <= batch_episodes (crl.config) makes exactly micro_batches chunks:
+        # the number of backwards a DeepSpeed engine counts to a step
+        chunks, count = ([batch], None) if micro_batches == 1 else (micro_batches_of(batch, micro_batches), optimized_count(batch))
+        assert len(chunks) == micro_batches, (len(chunks), micro_batches)
+        if opt is not None:
+            opt.zero_grad()
+        loss = 0.0
+        for chunk in chunks:
+            part = nll_loss(actor_module, chunk, balance=summary_content == "balanced", count=count)
             if opt is None:
-                optimizer_step(loss)
+                optimizer_step(part)
             else:
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        else:
-            if summary_content == "balanced":
-                raise ValueError("warm_start.summary_content=balanced needs warm_start.micro_batches=1 (its term couples the batch's rows)")
-            count, loss = optimized_count(batch), 0.0
-            chunks = micro_batches_of(batch, micro_batches)
-            if opt is not None:
-                opt.zero_grad()
-            # every episode gives a row, so micro_batches <= batch_episodes (crl.config) makes exactly micro_batches
-            # chunks: the number of backwards a DeepSpeed engine counts to a step
-            assert len(chunks) == micro_batches, (len(chunks), micro_batches)
-            for chunk in chunks:
-                part = nll_loss(actor_module, chunk, count=count)
-                if opt is None:
-                    optimizer_step(part)
-                else:
-                    part.backward()
-                loss = loss + part.detach()
-            if opt is not None:
-                opt.step()
+                part.backward()
+            loss = loss + part.detach()
+        if opt is not None:
+            opt.step()
         bar.set_postfix(nll=f"{loss.item():.3f}")
         line, stop = ({"warm_start/nll": loss.item()} if step % 10 == 0 else {}), False
         if stop_answer_p is not None and (step + 1) % probe_every == 0 and step != steps - 1:
