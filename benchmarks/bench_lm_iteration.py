@@ -52,6 +52,11 @@ iterations with each critic of ``--critics`` (``separate``: a LoRA copy of the b
 ``shared``: one pass; ``detached``: one pass, the head on detached features, ``algo.separate_losses``) and reports
 ``critic/explained_variance`` and ``critic/loss_critic`` per iteration: the critic's quality is measured, not assumed.
 
+``--warm-start``: every variant starts from the config's own warm start (computed once, LoRA as the config says, its
+adapters merged into a copy of the checkpoint that every variant loads with ``warm_start.enabled=false``), so every
+row plays the same policy's episodes. Without it the rows time the untrained model, whose episodes on a task that
+fails an invalid command (configs/lm_keep) end at its first one: a half-length episode that differs from row to row.
+
 Run: ``python benchmarks/bench_lm_iteration.py --config configs/lm_lora/base.yaml --preset DIR [--episodes 16]
 [--threads 2] [--out docs/results/bench_lm_iteration.json]`` (``DIR``: the imported SmolLM2, scripts/import_checkpoint.py).
 """
@@ -366,6 +371,35 @@ def oracle_tokens(config: str, preset: str, overrides: list[str]) -> dict:
     return out
 
 
+def warm_child(args) -> dict:
+    """The config's warm start (cached in ``args.cache_dir``), its adapters merged, saved as a checkpoint directory
+    beside the preset's tokenizer and chat template: ``{"preset": DIR, "seconds"}``."""
+    from crl.config import load_config
+    from crl.modules.lora import is_lora
+    from crl.trainer import Trainer
+
+    run_dir = Path(tempfile.mkdtemp(prefix="bench_lm_warm_"))
+    out = Path(args.warm_child)
+    try:
+        cfg = load_config(args.config, [f"run_dir={run_dir}", f"model.preset={args.preset}", f"warm_start.cache_dir={args.cache_dir}",
+                                        "logging.wandb_mode=disabled", "logging.progress=false", "eval.every=0", "checkpoint.every=1000",
+                                        f"train.threads={args.threads}", *args.set])
+        t = time.perf_counter()
+        trainer = Trainer(cfg)
+        seconds = time.perf_counter() - t
+        try:
+            lm = trainer.lm.merge_and_unload() if is_lora(trainer.lm) else trainer.lm
+            for f in Path(args.preset).iterdir():  # tokenizer, chat template, import record: everything but the weights
+                if f.is_file() and f.suffix != ".safetensors":
+                    shutil.copy2(f, out / f.name)
+            lm.save_pretrained(out, safe_serialization=True)
+        finally:
+            trainer.close()
+        return {"preset": str(out), "seconds": seconds, "overrides": args.set}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def critic_child(name: str, args) -> dict:
     """``args.critic_quality`` iterations of the study config (warm start included) with critic ``name``: the
     critic's metrics per iteration, read back from the run's metrics.jsonl."""
@@ -432,11 +466,13 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--critic-quality", type=int, default=0, metavar="N", help="instead: N training iterations per critic of --critics")
     parser.add_argument("--critics", nargs="*", default=list(CRITICS), choices=list(CRITICS))
-    parser.add_argument("--cache-dir", help="--critic-quality: the warm-start cache (default: a temporary one, removed)")
+    parser.add_argument("--cache-dir", help="--critic-quality, --warm-start: the warm-start cache (default: a temporary one, removed)")
+    parser.add_argument("--warm-start", action="store_true", help="every variant starts from the config's warm start, merged (see above)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--critic-child", help=argparse.SUPPRESS)
+    parser.add_argument("--warm-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     common = ["--config", args.config, "--preset", args.preset, "--threads", str(args.threads)]
@@ -445,6 +481,9 @@ def main(argv=None) -> int:
         return 0
     if args.critic_child:
         print("RESULT " + json.dumps(critic_child(args.critic_child, args)), flush=True)
+        return 0
+    if args.warm_child:
+        print("RESULT " + json.dumps(warm_child(args)), flush=True)
         return 0
     out = {"config": args.config, "episodes": args.episodes}
     if args.critic_quality:
@@ -462,39 +501,12 @@ def main(argv=None) -> int:
                 shutil.rmtree(cache, ignore_errors=True)
         out["critic_quality"] = runs
     else:
-        limits = before = machine_limits(args.threads)
-        print(describe_limits("limits before", before), flush=True)
-        rows = []
-        for variant in args.variants:
-            if "bf16" in lineage(variant) and not limits["native_bf16"]:
-                rows.append({"variant": variant, "skipped": f"no native bf16 on this CPU ({limits['cpu_capability']}): emulated bf16 is slower than fp32"})
-                print(f"{variant}: skipped ({rows[-1]['skipped']})", flush=True)
-                continue
-            result = run_child(["--child", variant, *common, "--episodes", str(args.episodes), "--eval-episodes", str(args.eval_episodes),
-                                "--eval-every", str(args.eval_every), "--eval-every-episodes", str(args.eval_every_episodes), "--set", *args.set],
-                               f"variant {variant}")
-            rows.append(result)
-            frac = fractions(result, limits)
-            decode = "not measured (engine process)" if frac["decode_frac_of_limit"] is None else \
-                f"{100 * frac['decode_frac_of_limit']:.0f} % of its limit at {result['decode_rows_per_step']:.1f} rows/step"
-            print(f"{variant}: iteration {result['iteration_s']:.1f} s (collect {result['collect_s']:.1f}, learner {result['learner_s']:.1f}, "
-                  f"sync {result['sync_s']:.2f}, eval {result['eval_s']:.1f} every {result['eval_every']}); learner "
-                  f"{100 * frac['learner_frac_of_matmul_limit']:.0f} % of matmul, decode {decode}; {result['tokens_per_episode']:.0f} tokens/episode; "
-                  f"peak RSS {result['peak_rss_gb']:.2f} GB (fractions against the limits before)", flush=True)
-        tokens = oracle_tokens(args.config, args.preset, args.set)
-        print(f"oracle episodes (dev): {tokens['own']['learner_positions_per_episode']:.0f} learner positions with crl's system turn, "
-              f"{tokens['template']['learner_positions_per_episode']:.0f} with the template's ({100 * tokens['saved_frac']:.1f} % fewer)", flush=True)
-        out["oracle_tokens"] = tokens
-        after = machine_limits(args.threads)
-        print(describe_limits("limits after", after), flush=True)
-        limits = best_limits(before, after)
-        print(describe_limits("limits used (the best of both)", limits), flush=True)
-        for result in rows:
-            if "skipped" not in result:
-                result.update(fractions(result, limits))
-        print()
-        print(table(rows))
-        out.update(limits=limits, limits_measured={"before": before, "after": after}, variants=rows)
+        scratch = tempfile.mkdtemp(prefix="bench_lm_preset_") if args.warm_start else None
+        try:
+            run_variants(args, common, out, scratch)
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
     if args.out:
         from crl.io import atomic_write_text
         from crl.provenance import git_state
@@ -502,6 +514,51 @@ def main(argv=None) -> int:
         atomic_write_text(Path(args.out), json.dumps({**out, "code": git_state()}, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def run_variants(args, common: list[str], out: dict, scratch: str | None) -> None:
+    """The variants' rows, side by side, into ``out`` (from the merged warm start in ``scratch`` when given)."""
+    if scratch:
+        cache = args.cache_dir or str(Path(scratch) / "warm_start_cache")
+        preset = Path(scratch) / "preset"
+        preset.mkdir()
+        warm = run_child(["--warm-child", str(preset), *common, "--cache-dir", cache, "--set", *args.set], "warm start")
+        print(f"warm start: {warm['seconds']:.0f} s, merged into {preset}", flush=True)
+        out["warm_start"] = {"merged": True, "seconds": warm["seconds"], "cache_dir": args.cache_dir}
+        common = ["--config", args.config, "--preset", str(preset), "--threads", str(args.threads)]
+    limits = before = machine_limits(args.threads)
+    print(describe_limits("limits before", before), flush=True)
+    rows = []
+    for variant in args.variants:
+        if "bf16" in lineage(variant) and not limits["native_bf16"]:
+            rows.append({"variant": variant, "skipped": f"no native bf16 on this CPU ({limits['cpu_capability']}): emulated bf16 is slower than fp32"})
+            print(f"{variant}: skipped ({rows[-1]['skipped']})", flush=True)
+            continue
+        result = run_child(["--child", variant, *common, "--episodes", str(args.episodes), "--eval-episodes", str(args.eval_episodes),
+                            "--eval-every", str(args.eval_every), "--eval-every-episodes", str(args.eval_every_episodes), "--set", *args.set],
+                           f"variant {variant}")
+        rows.append(result)
+        frac = fractions(result, limits)
+        decode = "not measured (engine process)" if frac["decode_frac_of_limit"] is None else \
+            f"{100 * frac['decode_frac_of_limit']:.0f} % of its limit at {result['decode_rows_per_step']:.1f} rows/step"
+        print(f"{variant}: iteration {result['iteration_s']:.1f} s (collect {result['collect_s']:.1f}, learner {result['learner_s']:.1f}, "
+              f"sync {result['sync_s']:.2f}, eval {result['eval_s']:.1f} every {result['eval_every']}); learner "
+              f"{100 * frac['learner_frac_of_matmul_limit']:.0f} % of matmul, decode {decode}; {result['tokens_per_episode']:.0f} tokens/episode; "
+              f"peak RSS {result['peak_rss_gb']:.2f} GB (fractions against the limits before)", flush=True)
+    tokens = oracle_tokens(args.config, args.preset, args.set)
+    print(f"oracle episodes (dev): {tokens['own']['learner_positions_per_episode']:.0f} learner positions with crl's system turn, "
+          f"{tokens['template']['learner_positions_per_episode']:.0f} with the template's ({100 * tokens['saved_frac']:.1f} % fewer)", flush=True)
+    out["oracle_tokens"] = tokens
+    after = machine_limits(args.threads)
+    print(describe_limits("limits after", after), flush=True)
+    limits = best_limits(before, after)
+    print(describe_limits("limits used (the best of both)", limits), flush=True)
+    for result in rows:
+        if "skipped" not in result:
+            result.update(fractions(result, limits))
+    print()
+    print(table(rows))
+    out.update(limits=limits, limits_measured={"before": before, "after": after}, variants=rows)
 
 
 if __name__ == "__main__":
