@@ -67,20 +67,25 @@ def _whole_batch_ev(batch) -> float:
     return float(1 - (y - v).var(unbiased=False) / y.var(unbiased=False))
 
 
-@pytest.mark.parametrize("critic", ["separate", "shared_one_step"])
+@pytest.mark.parametrize("critic", ["separate", "shared_one_step", "shared_minibatches"])
 def test_explained_variance_is_the_whole_steps_not_a_mean_over_micro_batches(tmp_path, critic):
     """An optimizer step in 4 micro-batches logs one explained variance, over all of the step's optimized tokens: the
     plain computation on the batch's value targets and the values the step's forward gave (the values pass's, same
     weights, for a separate critic; the step's own for a shared trunk with one policy step). A mean of per-micro-batch
     ratios is another number, unbounded below where a micro-batch's targets are nearly constant (one episode's rows:
-    -952 on configs/lm_keep's 32 micro-batches)."""
+    -952 on configs/lm_keep's 32 micro-batches). A shared trunk stepping on 2 minibatches of rollouts for 2 epochs
+    logs one value per epoch, over the whole batch, not one per minibatch (learning rates of 1e-12 keep the weights,
+    so the values pass's values are every step's)."""
     from pathlib import Path
 
     from crl.config import load_config
     from crl.trainer import Trainer
 
     root = Path(__file__).resolve().parents[1]
-    arm = ["train.critic_updates=1"] if critic == "separate" else ["model.share_critic_backbone=true", "train.policy_minibatches=1"]
+    arm = {"separate": ["train.critic_updates=1"],
+           "shared_one_step": ["model.share_critic_backbone=true", "train.policy_minibatches=1"],
+           "shared_minibatches": ["model.share_critic_backbone=true", "train.policy_minibatches=2", "train.policy_epochs=2",
+                                  "train.actor_lr=1e-12", "train.critic_lr=1e-12"]}[critic]
     cfg = load_config(root / "configs" / "default.yaml", [
         f"run_dir={tmp_path / 'run'}", "train.iterations=1", "train.episodes_per_batch=4", "train.micro_batches=4",
         "train.critic_warmup_iterations=0", "warm_start.steps=5", "warm_start.stop_answer_p=null", "eval.episodes=2",
@@ -92,10 +97,11 @@ def test_explained_variance_is_the_whole_steps_not_a_mean_over_micro_batches(tmp
             trainer.update_critic(batch)
         else:
             trainer.update_policy(batch, 0)
-            assert trainer.ppo.report.values_in_policy_step
+            assert trainer.ppo.report.values_in_policy_step == (critic == "shared_one_step")
         logged = trainer.ppo.report.critic.explained_variance
-        assert len(logged) == 1 and int(batch["loss_mask"].sum()) > 0
-        assert logged[0] == pytest.approx(_whole_batch_ev(batch), abs=1e-4)
+        passes = 2 if critic == "shared_minibatches" else 1
+        assert len(logged) == passes and int(batch["loss_mask"].sum()) > 0
+        assert logged == pytest.approx([_whole_batch_ev(batch)] * passes, abs=1e-4)
     finally:
         trainer.close()
 

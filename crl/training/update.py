@@ -34,7 +34,8 @@ CRITIC_METRICS = ("loss_critic", "explained_variance", "share_critic_execution",
 class LossMetrics:
     """One loss module's metrics (:class:`~crl.objectives.CompactionPPOLoss`'s outputs), one value per micro-batch of
     every optimizer step since the reset, dropped steps included. ``loss_*``: the reduced losses; ``clip_fraction``,
-    ``approx_kl``, ``entropy`` (policy) and ``explained_variance`` (critic): over the micro-batch's optimized tokens;
+    ``approx_kl``, ``entropy`` (policy): over the micro-batch's optimized tokens; ``explained_variance`` (critic): one
+    per pass over the batch (:meth:`PPOUpdate.end_pass`);
     ``objective_<kind>``: the objective's part on segments of that kind; ``share_<loss>_<kind>``: that kind's share
     of the loss's magnitude. The loss's ``sum_*`` / ``num_*`` entries are counts the step itself uses, not kept."""
 
@@ -143,6 +144,7 @@ class PPOUpdate:
     def reset_report(self) -> None:
         """A fresh :class:`UpdateReport` (``self.report``): what the optimizer steps since this call did."""
         self.report = UpdateReport()
+        self.ev_moments = None  # [Σ y, Σ y², Σ r, Σ r², n] of the value loss's steps in the pass so far (end_pass)
 
     @property
     def values_from_policy_step(self) -> bool:
@@ -215,6 +217,19 @@ class PPOUpdate:
         return {"perf/learner_tokens": processed, "perf/unique_tokens": unique,
                 "perf/padding_frac": 1.0 - unique / processed if processed else 0.0}
 
+    def end_pass(self) -> None:
+        """Log ``critic/explained_variance`` of the pass over the batch that just ended (the value loss's steps since
+        the last call): ``1 - Var(y - V_θ) / Var(y)`` over every optimized token the pass saw, all micro-batches, steps
+        and ranks pooled (:func:`~crl.objectives.explained_variance_of`), each token's ``V_θ`` from its own step's
+        forward. One value per pass, as SB3 and CleanRL log it over a rollout buffer: a critic step on the whole batch is
+        a pass; so is an epoch of ``train.policy_minibatches`` shared-trunk steps (one per minibatch of whole rollouts),
+        whose per-step ratios on a few rollouts each are unbounded below where a minibatch's targets are nearly
+        constant (−2 … −172 logged on configs/lm_keep's 4 minibatches of 4 episodes, where the batch's own is −0.5 … 0.3).
+        Nothing when no value loss ran."""
+        if self.ev_moments is not None:
+            self.report.critic.explained_variance.append(explained_variance_of(self.ev_moments[:4], int(self.ev_moments[4])))
+        self.ev_moments = None
+
     def update_critic(self, batch: TensorDict) -> None:
         """``train.critic_updates`` critic optimizer steps on the whole batch (split into micro-batches once); nothing
         without a critic (``algo.estimator=group``)."""
@@ -223,6 +238,7 @@ class PPOUpdate:
         mbs = self.split(batch)
         for _ in range(self.cfg.train.critic_updates):
             self.optimizer_step("critic", mbs)
+            self.end_pass()
         self.models.release_gathered()
 
     def schedule_fraction(self, schedule: str, iteration: int) -> float:
@@ -265,6 +281,7 @@ class PPOUpdate:
             rows = self.split_rows(batch)
             mbs = [batch[torch.tensor(r, dtype=torch.long)] if r else placeholder_row(batch) for r in rows]
             self.optimizer_step("actor", mbs, fill=(batch, rows))
+            self.end_pass()
             self.report.policy_steps, self.report.kl_stop = 1, False
             self.models.release_gathered()
             return
@@ -273,12 +290,15 @@ class PPOUpdate:
         chunks = [chunk for _ in range(t.policy_epochs)
                   for chunk in rollouts[torch.randperm(len(rollouts), generator=order)].tensor_split(t.policy_minibatches)]
         steps, stopped = 0, False
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             max_kl = None if steps == 0 or self.cfg.algo.target_kl is None else 1.5 * self.cfg.algo.target_kl
             if not self.optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]), max_kl=max_kl):
                 stopped = True
                 break
             steps += 1
+            if (i + 1) % t.policy_minibatches == 0:  # an epoch's last minibatch: the pass over the batch ends
+                self.end_pass()
+        self.end_pass()  # a pass the KL stop cut short: over the steps it saw, the dropped one included
         self.report.policy_steps, self.report.kl_stop = steps, stopped
         self.models.release_gathered()
 
@@ -372,10 +392,10 @@ class PPOUpdate:
                 out = out.exclude(*CRITIC_METRICS)
             metrics.add(out)
         if critic_metrics is not None and all("sum_ev_moments" in o.keys() for o in outs):
-            # explained variance over the step's whole batch (every micro-batch, every rank): the same on every rank
+            # the value loss's moments over the step's micro-batches and ranks, pooled until the pass over the batch ends
             pooled = all_reduce_sum(torch.stack([torch.cat([o["sum_ev_moments"].to(torch.float64).cpu(),
                                                             torch.tensor([float(o["num_tokens"])], dtype=torch.float64)]) for o in outs]).sum(0).to(self.device))
-            critic_metrics.explained_variance.append(explained_variance_of(pooled[:4], int(pooled[4])))
+            self.ev_moments = pooled if self.ev_moments is None else self.ev_moments + pooled
         if max_kl is not None:
             kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
                                              dtype=torch.float64, device=self.device).reshape(-1, 2).sum(0))
