@@ -111,7 +111,8 @@ class CompactionPPOLoss(LossModule):
     :func:`explained_variance_of`), per segment kind
     ``num_tokens_{execution,summary}``, ``objective_{execution,summary}`` (the kind's signed part of
     ``loss_objective``; the two add up to it), ``share_{objective,critic}_{execution,summary}`` (the kind's
-    share of ``Σ|w ℓ|``) and, when the actor writes ``"entropy"``, ``sum_entropy_{execution,summary}`` (float64,
+    share of ``Σ|w ℓ|``; ``sum_abs_{objective,critic}[_{execution,summary}]``, float64, the two sums, pool it over
+    micro-batches) and, when the actor writes ``"entropy"``, ``sum_entropy_{execution,summary}`` (float64,
     *unweighted* ``Σ H_t`` over the kind's optimized tokens, nats: divided by ``num_tokens_{kind}`` summed over
     micro-batches and ranks it is the mean entropy per token of that kind).
 
@@ -470,7 +471,9 @@ class CompactionPPOLoss(LossModule):
                     for lname, l in (("objective", l_obj), ("critic", l_crit)):
                         if l is None:
                             continue
-                        total = l.abs().sum()
-                        share = (l.abs() * rows).sum() / total if float(total) > 0 else torch.zeros((), dtype=f)
-                        out.set(f"share_{lname}_{kname}", share)
+                        total, part = l.abs().sum(), (l.abs() * rows).sum()
+                        out.set(f"share_{lname}_{kname}", part / total if float(total) > 0 else torch.zeros((), dtype=f))
+                        # the step's share is a ratio of sums over its micro-batches, not a mean of these ratios
+                        out.set(f"sum_abs_{lname}_{kname}", part.to(torch.float64))
+                        out.set(f"sum_abs_{lname}", total.to(torch.float64))
         return out

@@ -24,7 +24,7 @@ from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, GroupRelativeA
 from crl.objectives.distributed import all_reduce_sum
 from crl.training.accelerator import mean_over_ranks
 
-__all__ = ["LossMetrics", "PPOUpdate", "UpdateReport"]
+__all__ = ["LossMetrics", "PPOUpdate", "UpdateReport", "step_metrics"]
 
 # the loss outputs of the value loss: under a shared trunk the policy's step computes them, logged as the critic's
 CRITIC_METRICS = ("loss_critic", "explained_variance", "share_critic_execution", "share_critic_summary")
@@ -32,10 +32,11 @@ CRITIC_METRICS = ("loss_critic", "explained_variance", "share_critic_execution",
 
 @dataclass
 class LossMetrics:
-    """One loss module's metrics (:class:`~crl.objectives.CompactionPPOLoss`'s outputs), one value per micro-batch of
-    every optimizer step since the reset, dropped steps included. ``loss_*``: the reduced losses; ``clip_fraction``,
-    ``approx_kl``, ``entropy`` (policy): over the micro-batch's optimized tokens; ``explained_variance`` (critic): one
-    per pass over the batch (:meth:`PPOUpdate.end_pass`);
+    """One loss module's metrics (:class:`~crl.objectives.CompactionPPOLoss`'s outputs), one value per optimizer step
+    since the reset, dropped steps included, each over the whole step (:func:`step_metrics`: all its micro-batches;
+    the report's mean over ranks then makes it the whole step's over ranks too). ``loss_*``: the step's reduced
+    losses (Eq. 12); ``clip_fraction``, ``approx_kl``, ``entropy`` (policy): over the step's optimized tokens;
+    ``explained_variance`` (critic): one per pass over the batch (:meth:`PPOUpdate.end_pass`);
     ``objective_<kind>``: the objective's part on segments of that kind; ``share_<loss>_<kind>``: that kind's share
     of the loss's magnitude. The loss's ``sum_*`` / ``num_*`` entries are counts the step itself uses, not kept."""
 
@@ -54,18 +55,55 @@ class LossMetrics:
     share_critic_execution: list[float] = field(default_factory=list)
     share_critic_summary: list[float] = field(default_factory=list)
 
-    def add(self, out: TensorDict) -> None:
-        """Append one micro-batch's loss output. A metric with no field here is refused (a typed record: add the field)."""
-        for key, val in out.items():
-            if key.startswith(("sum_", "num_")):
-                continue
+    def add(self, step: dict[str, float]) -> None:
+        """Append one optimizer step's metrics (:func:`step_metrics`). A metric with no field here is refused (a typed
+        record: add the field)."""
+        for key, val in step.items():
             if not hasattr(self, key):
                 raise ValueError(f"the loss module returned a metric {key!r} that crl.training.update.LossMetrics has no field for: add it there")
-            getattr(self, key).append(float(val.detach()))
+            getattr(self, key).append(float(val))
 
     def logged(self, prefix: str) -> dict[str, list[float]]:
         """``{prefix + name: values}`` of every metric with a value (the keys of metrics.jsonl: ``policy/approx_kl``)."""
         return {prefix + f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name)}
+
+
+# How a step's micro-batch outputs combine (step_metrics). Each micro-batch's loss_* is already its masked sum over
+# the step's global normaliser (times grad_scale), so the step's loss is their sum, not their mean (a mean logged the
+# loss divided by train.micro_batches); the ratios pool their numerators and denominators.
+SUMMED_METRICS = ("loss_objective", "loss_entropy", "loss_kl", "loss_critic", "objective_execution", "objective_summary")
+TOKEN_MEAN_METRICS = ("clip_fraction", "approx_kl", "entropy")
+
+
+def step_metrics(outs: list[TensorDict], device="cpu") -> dict[str, float]:
+    """One optimizer step's metrics from its micro-batches' loss outputs ``outs`` (this rank's; every rank calls it:
+    one all-reduce). With micro-batches ``b`` of every rank, ``n_b`` optimized tokens each:
+
+    * ``loss_*``, ``objective_*``: ``Σ_b`` over this rank's micro-batches, this rank's part of the step's loss (each
+      ``loss_b = coeff · Σ_{s,t∈b} ℓ · grad_scale / N``, Eq. 12): the mean over ranks (``grad_scale`` = ranks) is the
+      step's loss, the same number however the batch is split;
+    * ``clip_fraction``, ``approx_kl``, ``entropy``: ``Σ_b x_b n_b / Σ_b n_b`` over every rank's micro-batches
+      (NaN without an optimized token);
+    * ``share_<loss>_<kind>``: ``Σ_b Σ|wℓ|_kind / Σ_b Σ|wℓ|`` over every rank's micro-batches (the loss's
+      ``sum_abs_*``; NaN where the loss is 0 everywhere).
+
+    ``explained_variance`` is left out (pooled over a pass: :meth:`PPOUpdate.end_pass`). A metric with no rule here
+    is refused."""
+    keys = [k for k in outs[0].keys() if not k.startswith(("sum_", "num_")) and k != "explained_variance"]
+    unknown = [k for k in keys if k not in SUMMED_METRICS + TOKEN_MEAN_METRICS and not k.startswith("share_")]
+    if unknown:
+        raise ValueError(f"the loss module returned metrics {unknown} that crl.training.update.step_metrics has no rule "
+                         "to combine over micro-batches for: add one (summed, token mean or share)")
+    got = {k: sum(float(o[k].detach()) for o in outs) for k in keys if k in SUMMED_METRICS}
+    pooled = [k for k in keys if k in TOKEN_MEAN_METRICS]
+    shares = [k for k in keys if k.startswith("share_")]
+    # [Σ x n, Σ n] per token mean, [Σ part, Σ total] per share: one all-reduce gives every rank the step's value
+    rows = [[sum(float(o[k]) * int(o["num_tokens"]) for o in outs), sum(int(o["num_tokens"]) for o in outs)] for k in pooled]
+    rows += [[sum(float(o["sum_abs_" + k[len("share_"):]]) for o in outs),
+              sum(float(o["sum_abs_" + k[len("share_"):].rsplit("_", 1)[0]]) for o in outs)] for k in shares]
+    sums = all_reduce_sum(torch.tensor(rows, dtype=torch.float64, device=device).reshape(-1, 2)).tolist()
+    got.update({k: num / den if den > 0 else float("nan") for k, (num, den) in zip(pooled + shares, sums)})
+    return got
 
 
 @dataclass
@@ -94,7 +132,7 @@ class UpdateReport:
 
     def metrics(self, device, *, learner_tokens: float, policy_epochs: int) -> dict[str, float]:
         """The logged metrics, the same on every rank (every rank calls it: collectives): each loss metric's mean over
-        every rank's micro-batches (``policy/*``, ``critic/*``), ``policy/steps``, ``policy/kl_stop``,
+        the iteration's optimizer steps and ranks (``policy/*``, ``critic/*``; each step's value over its whole step), ``policy/steps``, ``policy/kl_stop``,
         ``grad_norm/{actor,critic}`` (this rank's mean), ``policy/entropy_{execution,summary}`` (nats per optimized
         token, over ranks) and ``perf/learner_tokens_per_s`` (``learner_tokens``: positions of one pass over the batch;
         passes: the values, the entropy pass, each critic step, each of ``policy_epochs``)."""
@@ -385,12 +423,11 @@ class PPOUpdate:
                 self.accelerator.backward(loss)
             outs.append(out)
         critic_metrics = report.critic if name == "critic" or shared else None  # where this step's value loss is logged
-        for out in outs:  # a dropped step's metrics too: its approx_kl is why it was dropped
-            out = out.exclude("explained_variance")  # the step's own, pooled below: not a mean of micro-batch ratios
-            if name == "actor" and shared:  # the value loss's metrics are the critic's (critic/loss_critic, critic/explained_variance)
-                report.critic.add(out.select(*[k for k in out.keys() if k in CRITIC_METRICS]))
-                out = out.exclude(*CRITIC_METRICS)
-            metrics.add(out)
+        step = step_metrics(outs, self.device)  # a dropped step's metrics too: its approx_kl is why it was dropped
+        if name == "actor" and shared:  # the value loss's metrics are the critic's (critic/loss_critic, critic/explained_variance)
+            report.critic.add({k: v for k, v in step.items() if k in CRITIC_METRICS})
+            step = {k: v for k, v in step.items() if k not in CRITIC_METRICS}
+        metrics.add(step)
         if critic_metrics is not None and all("sum_ev_moments" in o.keys() for o in outs):
             # the value loss's moments over the step's micro-batches and ranks, pooled until the pass over the batch ends
             pooled = all_reduce_sum(torch.stack([torch.cat([o["sum_ev_moments"].to(torch.float64).cpu(),
