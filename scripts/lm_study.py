@@ -5,7 +5,7 @@ says what each run is, what the report holds and how a study resumes.
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
                                [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained|keep]
                                [--final-split dev|test] [--final-episodes N] [--force] [--carry REPORT] [--report-only]
-                               [--export DIR] [--allow-dirty]
+                               [--export DIR] [--allow-dirty] [--kernel default|avx2|avx512|scalar]
 
 The keep study (issue 47, docs/lm_lora.md "The keep study's runner"), run or resumed by one command:
 
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from crl.experiments.lm_study import ARMS, GATES, SEEDS, Study  # noqa: E402  (pure: no torch)
+from crl.experiments.sweep import KERNELS  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -50,6 +51,9 @@ def main(argv=None) -> int:
                     "the files committed there")
     ap.add_argument("--allow-dirty", action="store_true", help="write a report from a checkout with uncommitted changes (tests, trials; "
                     "recorded in the report); without it the study refuses to start from a dirty tree (--quick allows it)")
+    ap.add_argument("--kernel", default="default", choices=tuple(KERNELS), help="torch's CPU kernel path of every run "
+                    "(ATEN_CPU_CAPABILITY; default: the machine's own, the variable removed): rerun (arm, seed) pairs on the other "
+                    "float path into their own --out")
     args = ap.parse_args(argv)
     if args.parallel < 1:
         ap.error("--parallel must be >= 1")
@@ -61,7 +65,8 @@ def main(argv=None) -> int:
         ap.error("--gate keep carries a row only when its files match the committed run files: pass --export DIR (where they are committed)")
     return Study(args.arms, args.seeds, args.out, config_dir=args.config_dir, gate=args.gate, quick=args.quick, overrides=args.set,
                  parallel=args.parallel, final_episodes=args.final_episodes, final_split=args.final_split, report_only=args.report_only,
-                 force=args.force, carry=args.carry, export=args.export, allow_dirty=args.allow_dirty).main()
+                 force=args.force, carry=args.carry, export=args.export, allow_dirty=args.allow_dirty,
+                 kernel=args.kernel).main()
 
 
 if __name__ == "__main__":

@@ -542,3 +542,23 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
     assert again.returncode == 0 and again.stdout.count("finished earlier") == 3 and "start " not in again.stdout, again.stdout[-3000:]
     assert again.stdout.count("ready to commit: ") == 3
     assert json.loads((out / "report.json").read_text())["gate"]["checks"] == g["checks"]
+
+
+def test_the_study_reruns_on_another_kernel_path_under_its_own_names(tmp_path):
+    """``--kernel avx2`` (the issue's rerun on the other float path): every job is launched with
+    ``ATEN_CPU_CAPABILITY=avx2`` in its environment, its run keeps the study's name ``ARM_seedS``, and a kernel torch
+    does not know is refused by the command line. (That the variable reaches torch: tests/test_sweep.py's quick sweep.)"""
+    import importlib.util
+
+    from crl.experiments.lm_study import Study
+
+    study = Study(["joint"], [72], tmp_path / "study", config_dir=KEEP_QUICK, quick=True, kernel="avx2")
+    assert study.jobs == [("joint", 72, "avx2")] and study.run_name("joint", 72, "avx2") == "joint_seed72"
+    assert study.run_env("avx2")["ATEN_CPU_CAPABILITY"] == "avx2"
+    default = Study(["joint"], [72], tmp_path / "study2", config_dir=KEEP_QUICK, quick=True)
+    assert default.jobs == [("joint", 72, "default")] and "ATEN_CPU_CAPABILITY" not in default.run_env("default")
+    spec = importlib.util.spec_from_file_location("lm_study_cli", ROOT / "scripts" / "lm_study.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit):
+        cli.main(["--arms", "joint", "--seeds", "1", "--out", str(tmp_path / "x"), "--kernel", "avx3"])

@@ -5,10 +5,11 @@ start per seed shared by the arms. ``scripts/lm_study.py`` is its command line:
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
                                [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained|keep]
                                [--final-split dev|test] [--final-episodes N] [--force] [--carry REPORT] [--report-only]
-                               [--export DIR] [--allow-dirty]
+                               [--export DIR] [--allow-dirty] [--kernel default|avx2|avx512|scalar]
 
 Each arm is ``CONFIG_DIR/ARM.yaml`` (layered on ``base.yaml``). Each (arm, seed) is one run of
-:class:`crl.experiments.sweep.Sweep` on kernel ``default`` (the machine's own): a ``scripts/train.py`` process with ``run_dir=DIR/runs/ARM_seedS
+:class:`crl.experiments.sweep.Sweep` on one kernel, ``--kernel`` (default ``default``: the machine's own; ``avx2``
+reruns a study on torch's other CPU float path, into its own ``--out``): a ``scripts/train.py`` process with ``run_dir=DIR/runs/ARM_seedS
 train.seed=S`` (plus ``--set`` overrides and, with ``--quick``, :data:`QUICK`), at most ``--parallel`` at a time
 (default 2; one torch thread each), then ``scripts/audit.py`` on its run directory, then ``scripts/evaluate.py`` on
 its final checkpoint (``--final-episodes`` episodes of ``--final-split``, default 240 dev episodes: each of the 60
@@ -332,7 +333,8 @@ class Study(Sweep):
 
     def __init__(self, arms, seeds, out, *, config_dir=ROOT / "configs" / "study", gate: str = "chain", quick: bool = False,
                  overrides=(), parallel: int = 2, final_episodes: int | None = None, final_split: str = "dev",
-                 report_only: bool = False, force: bool = False, carry=None, export=None, allow_dirty: bool = False):
+                 report_only: bool = False, force: bool = False, carry=None, export=None, allow_dirty: bool = False,
+                 kernel: str = "default"):
         if gate not in GATES:
             raise ValueError(f"gate {gate!r}: one of {', '.join(GATES)}")
         self.config_dir = Path(config_dir).resolve()
@@ -341,7 +343,7 @@ class Study(Sweep):
         # a dirty tree is allowed only when asked for, or for --quick (whose numbers mean nothing); the report says which
         self.dirty_allowed_by = "--allow-dirty" if allow_dirty else "--quick" if quick else None
         quick_overrides = (QUICK_RECORDS if self.records_task(arms) else QUICK) if quick else []
-        super().__init__({arm: self.config_dir / f"{arm}.yaml" for arm in arms}, seeds, out,
+        super().__init__({arm: self.config_dir / f"{arm}.yaml" for arm in arms}, seeds, out, kernels=(kernel,),
                          overrides=[*quick_overrides, *overrides], parallel=parallel, final_episodes=final,
                          final_split=final_split, report_only=report_only, quick=quick, force=force, carry=carry, export=export)
         self.export_lock = threading.Lock()
