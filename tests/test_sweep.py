@@ -466,3 +466,39 @@ def test_carry_takes_a_row_only_when_its_hashes_are_those_of_the_committed_run_f
     git("rm", "-q", "kept/default_seed0_default/eval_test_8.json")
     git("commit", "-qm", "the evaluation removed")
     assert "eval_test_8.json is not committed at HEAD" in refused(row)
+
+
+def test_final_evaluations_run_one_at_a_time(tmp_path, monkeypatch):
+    """Parallel runs' final evaluations never overlap (each plays its episodes in one batch: 8-14 GB on the keep
+    study's 120, two at once beside two trainings were OOM-killed): ``final_eval`` from 2 threads, its
+    ``scripts/evaluate.py`` replaced by a recorder of how many are inside at once; each still writes its own JSON."""
+    import threading
+
+    arms = {"default": ROOT / "configs" / "default.yaml"}
+    sw = sweep.Sweep(arms, [0, 1], tmp_path / "out", overrides=sweep.QUICK, parallel=2, final_episodes=8)
+    inside, peak, guard = [0], [0], threading.Lock()
+
+    def fake_evaluate(cmd, **kwargs):
+        with guard:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        time.sleep(0.3)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"split": "dev", "episodes": 8, "tasks": 60, "success": 0.5, "successes": 4, "stderr": 0.1,
+                                   "iteration": 2, "wall_s": 0.3}))
+        with guard:
+            inside[0] -= 1
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_evaluate)
+    monkeypatch.setattr(sweep.Sweep, "eval_current", lambda self, job: False)
+    for job in sw.jobs:
+        sw.log_base(job).parent.mkdir(parents=True, exist_ok=True)
+    results = {}
+    threads = [threading.Thread(target=lambda j=j: results.__setitem__(j, sw.final_eval(j))) for j in sw.jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 1 and len(results) == 2 and all(r is not None and r["successes"] == 4 for r in results.values()), (peak, results)

@@ -337,6 +337,10 @@ class Sweep:
         self.inherited_capability = self.env.pop("ATEN_CPU_CAPABILITY", None)
         self.jobs = [(arm, seed, kernel) for arm in self.arms for seed in self.seeds for kernel in self.kernels]
         self.done, self.lock, self.bar = 0, threading.Lock(), None
+        # one final evaluation at a time: it plays all its episodes in one batch, whose prefill logits and prefix
+        # caches peak at 8 GB (joint) to 14 GB (frozen: two models) on configs/lm_keep's 120; two at once beside two
+        # trainings were OOM-killed on a 24 GB machine (issue 47). Its episodes and seeds do not depend on when it runs.
+        self.eval_slot = threading.Lock()
 
     # -------------------------------------------------------------------------------- naming and configs
     def say(self, msg: str) -> None:
@@ -644,13 +648,13 @@ class Sweep:
     def final_eval(self, job) -> dict | None:
         """The final checkpoint on ``final_episodes`` episodes of ``final_split`` (scripts/evaluate.py: the split's
         tasks in order, each played several times), or None when disabled or it failed. Reused when it evaluated the
-        run's last iteration (:meth:`eval_current`)."""
+        run's last iteration (:meth:`eval_current`). One at a time across the sweep's parallel runs (``eval_slot``)."""
         n, split, run_dir, logs = self.final_episodes, self.final_split, self.run_dir(job), self.log_base(job)
         if not n:
             return None
         out = run_dir / self.eval_file()
         if not self.eval_current(job):
-            with open(logs.with_suffix(".eval.log"), "w") as log:
+            with self.eval_slot, open(logs.with_suffix(".eval.log"), "w") as log:
                 subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--split", split, "--episodes", str(n),
                                 "--out", str(out)], cwd=ROOT, env=self.run_env(job[2]), stdout=log, stderr=subprocess.STDOUT)
         if not out.is_file():
