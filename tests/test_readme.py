@@ -39,12 +39,16 @@ def test_trainer_quickstart_runs(tmp_path, monkeypatch):
 
 
 def test_torchrl_quickstart_runs_compacts_and_trains(monkeypatch):
-    """The README's TorchRL block as written: LLMCollector + CompactionTransform + to_episodes + CompactionPPOLoss."""
+    """The TorchRL program as written (docs/torchrl.md "The swap"; the README's TorchRL quickstart is its diff):
+    LLMCollector + CompactionTransform + to_episodes + CompactionPPOLoss."""
     from tensordict import set_list_to_stack
 
     from crl.episode import SegmentKind
 
-    block = re.search(r"## Quickstart: crl inside TorchRL's LLM stack.*?```python\n(.*?)```", README, re.S).group(1)
+    swap = re.search(r"## Quickstart: crl inside TorchRL's LLM stack.*?```python\n(.*?)```", README, re.S).group(1)
+    assert "docs/torchrl.md#the-swap" in README and "CompactionTransform(" in swap and "to_episodes(" in swap
+    docs = (ROOT / "docs" / "torchrl.md").read_text()
+    block = re.search(r"## The swap.*?```python\n(.*?)```", docs, re.S).group(1)
     monkeypatch.chdir(ROOT)
     torch.manual_seed(0)
     scope: dict = {}
