@@ -122,3 +122,48 @@ def test_records_counts_what_each_summary_holds_against_the_records_shown_before
         assert row["reward"] == reward
     assert [len(r["records"]) for r in got["rows"]] == [4, 4, 4]  # the imitation did not become a fifth record
     assert got["holding"] == 1 and got["last_value"] == 2 and got["last_pair"] == 1
+
+
+def test_pair_census_classes_each_pair_against_the_records_before_it(tmp_path):
+    """Each pair's class counted by hand: blue was written 8 then 4 (final 4), gray 6, green 3; red never."""
+    from crl.experiments.summary_content import records_pair_census
+
+    records = ["blue = 8", "gray = 6", "blue = 4", "ignore", "green = 3"]
+    rows = [
+        # final blue (record 3), stale blue 8, misbound gray 9, unwritten red, a repeated pair counted once
+        dict(summary="blue = 4 , blue = 8 , gray = 9 , red = 1 , blue = 4<|im_end|>", records=records),
+        # complete: every written key with its final value (order and separators free)
+        dict(summary="green: 3, gray is 6, blue 4", records=records),
+        dict(summary="none", records=records),
+    ]
+    c = records_pair_census(rows)
+    assert (c["summaries"], c["pairs"], c["final"], c["stale"], c["misbound"], c["unwritten"]) == (3, 7, 4, 1, 1, 1)
+    assert c["complete"] == 1 and (c["keys_written"], c["keys_final"]) == (9, 4)
+    assert c["final_by_record"] == {2: 1, 3: 2, 5: 1}
+
+
+def test_census_of_an_export_sums_seeds_per_arm_and_refuses_a_run_without_summaries(tmp_path):
+    def run(name, first, last):
+        d = tmp_path / "export" / name
+        d.mkdir(parents=True)
+        lines = [dict(iteration=it, rows=[dict(summary=s, records=["blue = 1", "red = 2", "blue = 3"])]) for it, s in ((15, last), (3, first))]
+        (d / "summaries.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    run("joint_seed1", "blue = 1", "blue = 3 , red = 2")  # stale -> complete
+    run("joint_seed2", "red = 2", "red = 5")  # final -> misbound
+    run("frozen_seed1", "green = 1", "green = 1")
+    out = tmp_path / "census.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/summary_content.py"), "--census", str(tmp_path / "export"), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    census = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    joint = census["arms"]["joint"]
+    assert (joint["first"]["stale"], joint["first"]["final"], joint["first"]["pairs"]) == (1, 1, 2)  # iteration 3, read first
+    assert (joint["last"]["final"], joint["last"]["misbound"], joint["last"]["complete"]) == (2, 1, 1)
+    assert census["arms"]["frozen"]["last"]["unwritten"] == 1
+    assert sorted((x["arm"], x["seed"], x["iteration"]) for x in census["runs"])[0] == ("frozen", 1, 3)
+    (tmp_path / "export" / "joint_seed3").mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/summary_content.py"), "--census", str(tmp_path / "export"), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "joint_seed3/summaries.jsonl is missing" in r.stderr

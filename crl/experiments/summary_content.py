@@ -27,15 +27,25 @@ value anywhere in it, ``last_pair`` — the last update's key paired with its va
 (:func:`crl.envs.sequential_records.summary_pairs`). The last two measure the recency shortcut
 (scripts/records_shortcuts.py). ``rows=True`` adds each summary with its episode's records.
 
+**What each pair is** (:func:`records_pair_census`, over the rows above or a study export's ``summaries.jsonl``).
+Every distinct ``key value`` pair a summary writes (:func:`crl.envs.sequential_records.summary_pairs`'s separators),
+judged against the records shown before it: ``final`` — the key's last written value (what a question about that key
+needs), ``stale`` — an earlier value of the key, since overwritten, ``misbound`` — a value the key never had,
+``unwritten`` — a key no record wrote. A summary is ``complete`` when it pairs every written key with its final value
+(it answers any question). Keeping, as the keep study means it, raises ``final`` and ``complete``; copying records in
+order raises ``stale``; a prior over key names (``red = 1`` with no red record) shows as ``unwritten``.
+
 Pure at import (torch, the tokenizer and the environments are imported where a run is read).
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 __all__ = ["NoEvidence", "UnsupportedTask", "optimized_spans", "evidence_iterations", "summary_content", "records_summary_content",
-           "decode_run", "TASKS"]
+           "decode_run", "records_pair_census", "export_census", "plot_census",
+           "PAIR_CLASSES", "TASKS"]
 
 #: the tasks :func:`decode_run` reads
 TASKS = ("memory_chain", "sequential_records")
@@ -181,6 +191,130 @@ def records_summary_content(run_dir: Path, iteration: int | None = None, decode=
             counts["holding"] += bool(row["holding"])
             listed.append(row)
     return {"run_dir": str(run_dir), "iteration": it, "task": "sequential_records", **counts, **({"rows": listed} if rows_out else {})}
+
+
+#: the classes of a summary's pairs (:func:`records_pair_census`)
+PAIR_CLASSES = ("final", "stale", "misbound", "unwritten")
+
+#: a ``key value`` pair as :func:`crl.envs.sequential_records.summary_pairs` reads one (key a word, value a number)
+_PAIR = re.compile(r"(?<!\w)([A-Za-z]+)(?:\s|=|:|->|\bis\b)*(?<![\w.-])(\d+)(?!\w|\.\d)")
+
+
+def records_pair_census(rows) -> dict:
+    """What sequential-records summaries hold, pair by pair (module docstring). ``rows``: dicts with ``summary`` (text)
+    and ``records`` (the records shown before it, in order: ``"key = value"`` or ``"ignore"``), as
+    :func:`records_summary_content` lists them (``rows_out=True``) and the study export's ``summaries.jsonl`` stores them.
+
+    Returns ``summaries``; ``pairs`` (distinct pairs, all summaries) and its split over :data:`PAIR_CLASSES`;
+    ``complete`` (summaries pairing every written key with its final value); ``keys_written`` and ``keys_final``
+    (over summaries: keys the records wrote, and of those the ones the summary pairs with their final value); and
+    ``final_by_record``: ``{i: n}``, final pairs by the 1-based index of the record that made them final."""
+    out = dict(summaries=0, pairs=0, **{c: 0 for c in PAIR_CLASSES}, complete=0, keys_written=0, keys_final=0)
+    by_record: dict[int, int] = {}
+    for row in rows:
+        writes: dict[str, list[tuple[int, str]]] = {}  # key -> [(record index, value)] in order
+        for i, rec in enumerate(row["records"], 1):
+            if rec != "ignore":
+                key, value = (x.strip() for x in rec.split("=", 1))
+                writes.setdefault(key, []).append((i, value))
+        final = {k: w[-1] for k, w in writes.items()}
+        pairs = dict.fromkeys(_PAIR.findall(row["summary"]))  # distinct, in order
+        held = set()
+        for key, value in pairs:
+            if key not in writes:
+                cls = "unwritten"
+            elif value == final[key][1]:
+                cls = "final"
+                held.add(key)
+            elif any(v == value for _, v in writes[key]):
+                cls = "stale"
+            else:
+                cls = "misbound"
+            out[cls] += 1
+        for key in held:
+            by_record[final[key][0]] = by_record.get(final[key][0], 0) + 1
+        out["summaries"] += 1
+        out["pairs"] += len(pairs)
+        out["complete"] += bool(writes) and held == set(writes)
+        out["keys_written"] += len(writes)
+        out["keys_final"] += len(held)
+    return {**out, "final_by_record": dict(sorted(by_record.items()))}
+
+
+def export_census(export_dir: Path) -> dict:
+    """:func:`records_pair_census` of every run of a study export (``EXPORT/ARM_seedS/summaries.jsonl``, written by
+    :mod:`crl.experiments.lm_study`: its first and last evidence iterations). Returns ``runs`` (one record per run and
+    iteration: ``arm``, ``seed``, ``iteration``, the census) and ``arms`` (``{arm: {"first"|"last": census summed over
+    seeds}}``, each run's own first and last iteration). A run without ``summaries.jsonl`` is refused by name."""
+    export_dir = Path(export_dir)
+    dirs = sorted(d for d in export_dir.iterdir() if d.is_dir() and re.fullmatch(r".+_seed\d+", d.name))
+    if not dirs:
+        raise NoEvidence(f"{export_dir} has no ARM_seedS run directory (a study export: lm_study.py --export)")
+    runs, arms = [], {}
+    for d in dirs:
+        path = d / "summaries.jsonl"
+        if not path.is_file():
+            raise NoEvidence(f"{path} is missing: the export of {d.name} has no decoded summaries (rerun the study command "
+                             "where the run's evidence is, or leave the run out of the export)")
+        arm, seed = d.name.rsplit("_seed", 1)
+        records = sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()), key=lambda r: r["iteration"])
+        for which, rec in (("first", records[0]), ("last", records[-1])):
+            census = records_pair_census(rec["rows"])
+            runs.append(dict(arm=arm, seed=int(seed), iteration=rec["iteration"], which=which, **census))
+            total = arms.setdefault(arm, {}).setdefault(which, {})
+            for k, v in census.items():
+                if k == "final_by_record":
+                    fb = total.setdefault(k, {})
+                    for i, n in v.items():
+                        fb[i] = fb.get(i, 0) + n
+                else:
+                    total[k] = total.get(k, 0) + v
+    return {"export": str(export_dir), "pair_classes": list(PAIR_CLASSES), "arms": arms, "runs": runs}
+
+
+def plot_census(census: dict, png: Path) -> None:
+    """Two panels of :func:`export_census`: per arm, its pairs split over :data:`PAIR_CLASSES` (share of all pairs,
+    summed over seeds) at the first and the last decoded iteration; and per run, the share of written keys its
+    summaries pair with their final value, first → last (one line per seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from crl.io import atomic_write
+
+    arms = list(census["arms"])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = dict(final="C2", stale="C1", misbound="C3", unwritten="C7")
+    for i, arm in enumerate(arms):
+        for j, which in enumerate(("first", "last")):
+            c = census["arms"][arm].get(which)
+            if not c or not c["pairs"]:
+                continue
+            x, bottom = i * 3 + j, 0.0
+            for cls in PAIR_CLASSES:
+                share = c[cls] / c["pairs"]
+                ax.bar(x, share, bottom=bottom, color=colors[cls], label=cls if (i, j) == (0, 0) else None)
+                bottom += share
+    ax.set_ylabel("share of the summaries' pairs")
+    ax.legend(fontsize=7)
+    for i, arm in enumerate(arms):
+        for seed in sorted({r["seed"] for r in census["runs"] if r["arm"] == arm}):
+            pts = {r["which"]: r["keys_final"] / max(r["keys_written"], 1) for r in census["runs"] if r["arm"] == arm and r["seed"] == seed}
+            bx.plot([i * 3, i * 3 + 1], [pts.get("first"), pts.get("last")], color=f"C{i}", marker="o", ms=3, lw=0.8,
+                    label=arm if seed == min(r["seed"] for r in census["runs"] if r["arm"] == arm) else None)
+    bx.set_ylabel("written keys paired with their final value (per seed)")
+    bx.set_ylim(-0.02, 1.02)
+    bx.legend(fontsize=7)
+    for a in (ax, bx):
+        a.grid(alpha=0.3, axis="y")
+        a.set_xticks([i * 3 + j for i in range(len(arms)) for j in (0, 1)], [w for _ in arms for w in ("first", "last")], fontsize=7)
+        for i, arm in enumerate(arms):  # the arm under its pair of ticks
+            a.text(i * 3 + 0.5, -0.1, arm, transform=a.get_xaxis_transform(), ha="center", va="top", fontsize=8)
+    fig.suptitle(f"what the summaries hold, pair by pair ({census['export']}; decoded training episodes)", fontsize=9)
+    fig.tight_layout()
+    atomic_write(png, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
 
 
 def decode_run(run_dir: Path, iterations=None, rows: bool = False, overrides=()) -> list[dict]:

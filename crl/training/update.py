@@ -433,12 +433,9 @@ class PPOUpdate:
             pooled = all_reduce_sum(torch.stack([torch.cat([o["sum_ev_moments"].to(torch.float64).cpu(),
                                                             torch.tensor([float(o["num_tokens"])], dtype=torch.float64)]) for o in outs]).sum(0).to(self.device))
             self.ev_moments = pooled if self.ev_moments is None else self.ev_moments + pooled
-        if max_kl is not None:
-            kl = all_reduce_sum(torch.tensor([[float(o["approx_kl"]) * int(o["num_tokens"]), int(o["num_tokens"])] for o in outs],
-                                             dtype=torch.float64, device=self.device).reshape(-1, 2).sum(0))
-            if float(kl[0]) > max_kl * float(kl[1]):
-                opt.zero_grad(set_to_none=True)
-                return False
+        if max_kl is not None and step.get("approx_kl", float("nan")) > max_kl:  # every rank's token mean (step_metrics); NaN: no token
+            opt.zero_grad(set_to_none=True)
+            return False
         head_norm = None
         if name == "actor" and shared:  # the critic's own tensors' gradient (the value head's, before clipping): its entry
             head = self.accelerator.unwrap_model(model).value_head
