@@ -12,7 +12,8 @@ each summary with its episode's records.
 
 ``--census``: what the summaries of a sequential-records study export hold, pair by pair (``final``, ``stale``,
 ``misbound``, ``unwritten``; :func:`crl.experiments.summary_content.export_census`), from each run's committed
-``summaries.jsonl`` (no evidence, no model needed): writes ``OUT.json`` and ``OUT.png``, prints one line per arm.
+``summaries.jsonl`` (no evidence, no model needed): writes ``OUT.json`` and ``OUT.png``, prints one line per arm and,
+per pair of arms, how many of the tasks both played got the very same summary.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main(argv=None) -> None:
             print(arm, "  ".join(f"{which}: {c['pairs']} pairs " + " ".join(f"{k} {c[k] / max(c['pairs'], 1):.2f}" for k in census["pair_classes"])
                                  + f", complete {c['complete']}/{c['summaries']}, keys final {c['keys_final']}/{c['keys_written']}"
                                  for which, c in by.items()))
+        for pair, by in census["identical"].items():
+            print(f"identical summaries {pair.replace('|', ' vs ')}: " + ", ".join(f"{which} {n[0]}/{n[1]} episodes" for which, n in by.items()))
         print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
         return
     if not args.run_dirs:

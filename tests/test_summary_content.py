@@ -152,6 +152,7 @@ def test_census_of_an_export_sums_seeds_per_arm_and_refuses_a_run_without_summar
     run("joint_seed1", "blue = 1", "blue = 3 , red = 2")  # stale -> complete
     run("joint_seed2", "red = 2", "red = 5")  # final -> misbound
     run("frozen_seed1", "green = 1", "green = 1")
+    run("ablation_seed1", "blue = 1", "blue = 3")  # joint seed 1's summary at iteration 3, another at 15
     out = tmp_path / "census.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts/summary_content.py"), "--census", str(tmp_path / "export"), "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT)
@@ -162,7 +163,11 @@ def test_census_of_an_export_sums_seeds_per_arm_and_refuses_a_run_without_summar
     assert (joint["first"]["stale"], joint["first"]["final"], joint["first"]["pairs"]) == (1, 1, 2)  # iteration 3, read first
     assert (joint["last"]["final"], joint["last"]["misbound"], joint["last"]["complete"]) == (2, 1, 1)
     assert census["arms"]["frozen"]["last"]["unwritten"] == 1
-    assert sorted((x["arm"], x["seed"], x["iteration"]) for x in census["runs"])[0] == ("frozen", 1, 3)
+    assert sorted((x["arm"], x["seed"], x["iteration"]) for x in census["runs"])[0] == ("ablation", 1, 3)
+    # the same task at the same iteration: same summary text or not (seed 2 has no other arm: not counted)
+    assert census["identical"]["ablation|joint"] == {"first": [1, 1], "last": [0, 1]}
+    assert census["identical"]["frozen|joint"] == {"first": [0, 1], "last": [0, 1]}
+    assert "identical summaries ablation vs joint: first 1/1 episodes, last 0/1 episodes" in r.stdout
     (tmp_path / "export" / "joint_seed3").mkdir()
     r = subprocess.run([sys.executable, str(ROOT / "scripts/summary_content.py"), "--census", str(tmp_path / "export"), "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT)

@@ -245,12 +245,18 @@ def export_census(export_dir: Path) -> dict:
     """:func:`records_pair_census` of every run of a study export (``EXPORT/ARM_seedS/summaries.jsonl``, written by
     :mod:`crl.experiments.lm_study`: its first and last evidence iterations). Returns ``runs`` (one record per run and
     iteration: ``arm``, ``seed``, ``iteration``, the census) and ``arms`` (``{arm: {"first"|"last": census summed over
-    seeds}}``, each run's own first and last iteration). A run without ``summaries.jsonl`` is refused by name."""
+    seeds}}``, each run's own first and last iteration). A run without ``summaries.jsonl`` is refused by name.
+
+    ``identical``: for each pair of arms, ``{"ARM_A|ARM_B": {"first"|"last": [same, tasks]}}`` summed over seeds — of the
+    episodes both arms played at that iteration (the same records and question, the n-th time each played it: a study's
+    arms draw the same tasks), how many got the very same summary text. Arms sampled with the same random numbers write the same summary until
+    their policies differ enough to change a sampled token, so ``same == tasks`` says the arms' difference had not yet
+    reached the summaries (an ablation with no room to show anything)."""
     export_dir = Path(export_dir)
     dirs = sorted(d for d in export_dir.iterdir() if d.is_dir() and re.fullmatch(r".+_seed\d+", d.name))
     if not dirs:
         raise NoEvidence(f"{export_dir} has no ARM_seedS run directory (a study export: lm_study.py --export)")
-    runs, arms = [], {}
+    runs, arms, played = [], {}, {}
     for d in dirs:
         path = d / "summaries.jsonl"
         if not path.is_file():
@@ -261,6 +267,13 @@ def export_census(export_dir: Path) -> dict:
         for which, rec in (("first", records[0]), ("last", records[-1])):
             census = records_pair_census(rec["rows"])
             runs.append(dict(arm=arm, seed=int(seed), iteration=rec["iteration"], which=which, **census))
+            seen: dict = {}  # a task played twice (siblings of a group) is told apart by its order
+            keyed = {}
+            for r in rec["rows"]:
+                task = (tuple(r["records"]), r.get("asked"))
+                seen[task] = seen.get(task, -1) + 1
+                keyed[task + (seen[task],)] = r["summary"]
+            played[arm, int(seed), which] = (rec["iteration"], keyed)
             total = arms.setdefault(arm, {}).setdefault(which, {})
             for k, v in census.items():
                 if k == "final_by_record":
@@ -269,7 +282,19 @@ def export_census(export_dir: Path) -> dict:
                         fb[i] = fb.get(i, 0) + n
                 else:
                     total[k] = total.get(k, 0) + v
-    return {"export": str(export_dir), "pair_classes": list(PAIR_CLASSES), "arms": arms, "runs": runs}
+    identical = {}
+    names = sorted(arms)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            for (arm, seed, which), (it, summaries) in played.items():
+                other = played.get((b, seed, which))
+                if arm != a or other is None or other[0] != it:
+                    continue
+                tasks = [k for k in summaries if k in other[1]]
+                count = identical.setdefault(f"{a}|{b}", {}).setdefault(which, [0, 0])
+                count[0] += sum(summaries[k] == other[1][k] for k in tasks)
+                count[1] += len(tasks)
+    return {"export": str(export_dir), "pair_classes": list(PAIR_CLASSES), "arms": arms, "runs": runs, "identical": identical}
 
 
 def plot_census(census: dict, png: Path) -> None:
