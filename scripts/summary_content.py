@@ -5,7 +5,6 @@ line of :mod:`crl.experiments.summary_content`, whose docstring defines every co
     python scripts/summary_content.py RUN_DIR [RUN_DIR ...] [--iteration N [N ...]] [--rows] [--set KEY=VALUE ...]
     python scripts/summary_content.py --census EXPORT_DIR --out OUT.json
 
-
 Prints one JSON line per run and iteration (default: the newest evidence iteration; ``N`` counts from 0, so
 ``iter_000011`` is iteration 12), decoded with the run's own task and tokenizer. ``--rows`` (sequential records) adds
 each summary with its episode's records.

@@ -124,7 +124,7 @@ def test_records_counts_what_each_summary_holds_against_the_records_shown_before
     assert got["holding"] == 1 and got["last_value"] == 2 and got["last_pair"] == 1
 
 
-def test_pair_census_classes_each_pair_against_the_records_before_it(tmp_path):
+def test_pair_census_classes_each_pair_against_the_records_before_it():
     """Each pair's class counted by hand: blue was written 8 then 4 (final 4), gray 6, green 3; red never."""
     from crl.experiments.summary_content import records_pair_census
 

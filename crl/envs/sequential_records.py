@@ -47,11 +47,18 @@ class RecordsTask(Task):
     updates: tuple[tuple[str, str] | None, ...]
 
 
+#: what joins a key to its value in a summary, and what ends the value (:func:`summary_pairs`, :data:`SUMMARY_PAIR`)
+_JOIN, _VALUE_END = r"(?!\w)(?:\s|=|:|->|\bis\b)*(?<![\w.-])", r"(?!\w|\.\d)"
+
+#: every ``key value`` pair a summary writes, read as :func:`summary_pairs` reads one (key a word, value a number)
+SUMMARY_PAIR = re.compile(rf"(?<!\w)([A-Za-z]+){_JOIN}(\d+){_VALUE_END}")
+
+
 def summary_pairs(summary_text: str, key: str, value: str) -> bool:
     """Whether a summary pairs ``key`` with ``value``: the key as a whole word, then the value as the next word, joined
     by nothing but spaces, ``=``, ``:``, ``->`` or ``is`` (``blue = 7``, ``blue 7``, ``blue is 7``). The one definition
     behind :meth:`SequentialRecordsEnv.summary_holds` and :mod:`crl.experiments.summary_content`."""
-    pattern = rf"(?<!\w){re.escape(key)}(?!\w)(?:\s|=|:|->|\bis\b)*(?<![\w.-]){re.escape(value)}(?!\w|\.\d)"
+    pattern = rf"(?<!\w){re.escape(key)}{_JOIN}{re.escape(value)}{_VALUE_END}"
     return re.search(pattern, summary_text) is not None
 
 

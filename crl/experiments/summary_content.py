@@ -196,10 +196,6 @@ def records_summary_content(run_dir: Path, iteration: int | None = None, decode=
 #: the classes of a summary's pairs (:func:`records_pair_census`)
 PAIR_CLASSES = ("final", "stale", "misbound", "unwritten")
 
-#: a ``key value`` pair as :func:`crl.envs.sequential_records.summary_pairs` reads one (key a word, value a number)
-_PAIR = re.compile(r"(?<!\w)([A-Za-z]+)(?:\s|=|:|->|\bis\b)*(?<![\w.-])(\d+)(?!\w|\.\d)")
-
-
 def records_pair_census(rows) -> dict:
     """What sequential-records summaries hold, pair by pair (module docstring). ``rows``: dicts with ``summary`` (text)
     and ``records`` (the records shown before it, in order: ``"key = value"`` or ``"ignore"``), as
@@ -209,6 +205,8 @@ def records_pair_census(rows) -> dict:
     ``complete`` (summaries pairing every written key with its final value); ``keys_written`` and ``keys_final``
     (over summaries: keys the records wrote, and of those the ones the summary pairs with their final value); and
     ``final_by_record``: ``{i: n}``, final pairs by the 1-based index of the record that made them final."""
+    from crl.envs.sequential_records import SUMMARY_PAIR
+
     out = dict(summaries=0, pairs=0, **{c: 0 for c in PAIR_CLASSES}, complete=0, keys_written=0, keys_final=0)
     by_record: dict[int, int] = {}
     for row in rows:
@@ -218,7 +216,7 @@ def records_pair_census(rows) -> dict:
                 key, value = (x.strip() for x in rec.split("=", 1))
                 writes.setdefault(key, []).append((i, value))
         final = {k: w[-1] for k, w in writes.items()}
-        pairs = dict.fromkeys(_PAIR.findall(row["summary"]))  # distinct, in order
+        pairs = dict.fromkeys(SUMMARY_PAIR.findall(row["summary"]))  # distinct, in order
         held = set()
         for key, value in pairs:
             if key not in writes:
@@ -283,17 +281,15 @@ def export_census(export_dir: Path) -> dict:
                 else:
                     total[k] = total.get(k, 0) + v
     identical = {}
-    names = sorted(arms)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            for (arm, seed, which), (it, summaries) in played.items():
-                other = played.get((b, seed, which))
-                if arm != a or other is None or other[0] != it:
-                    continue
-                tasks = [k for k in summaries if k in other[1]]
-                count = identical.setdefault(f"{a}|{b}", {}).setdefault(which, [0, 0])
-                count[0] += sum(summaries[k] == other[1][k] for k in tasks)
-                count[1] += len(tasks)
+    for (a, seed, which), (it, summaries) in played.items():
+        for b in sorted(arms):
+            other = played.get((b, seed, which))
+            if b <= a or other is None or other[0] != it:  # each pair of arms once, at the same iteration
+                continue
+            tasks = [k for k in summaries if k in other[1]]
+            count = identical.setdefault(f"{a}|{b}", {}).setdefault(which, [0, 0])
+            count[0] += sum(summaries[k] == other[1][k] for k in tasks)
+            count[1] += len(tasks)
     return {"export": str(export_dir), "pair_classes": list(PAIR_CLASSES), "arms": arms, "runs": runs, "identical": identical}
 
 
@@ -324,10 +320,11 @@ def plot_census(census: dict, png: Path) -> None:
     ax.set_ylabel("share of the summaries' pairs")
     ax.legend(fontsize=7)
     for i, arm in enumerate(arms):
-        for seed in sorted({r["seed"] for r in census["runs"] if r["arm"] == arm}):
+        seeds = sorted({r["seed"] for r in census["runs"] if r["arm"] == arm})
+        for seed in seeds:
             pts = {r["which"]: r["keys_final"] / max(r["keys_written"], 1) for r in census["runs"] if r["arm"] == arm and r["seed"] == seed}
             bx.plot([i * 3, i * 3 + 1], [pts.get("first"), pts.get("last")], color=f"C{i}", marker="o", ms=3, lw=0.8,
-                    label=arm if seed == min(r["seed"] for r in census["runs"] if r["arm"] == arm) else None)
+                    label=arm if seed == seeds[0] else None)
     bx.set_ylabel("written keys paired with their final value (per seed)")
     bx.set_ylim(-0.02, 1.02)
     bx.legend(fontsize=7)

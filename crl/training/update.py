@@ -433,7 +433,7 @@ class PPOUpdate:
             pooled = all_reduce_sum(torch.stack([torch.cat([o["sum_ev_moments"].to(torch.float64).cpu(),
                                                             torch.tensor([float(o["num_tokens"])], dtype=torch.float64)]) for o in outs]).sum(0).to(self.device))
             self.ev_moments = pooled if self.ev_moments is None else self.ev_moments + pooled
-        if max_kl is not None and step.get("approx_kl", float("nan")) > max_kl:  # every rank's token mean (step_metrics); NaN: no token
+        if max_kl is not None and step["approx_kl"] > max_kl:  # every rank's token mean (step_metrics); NaN (no token) applies
             opt.zero_grad(set_to_none=True)
             return False
         head_norm = None
