@@ -80,7 +80,7 @@ def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_
         max_action_tokens=cfg.model.max_action_tokens, summary_backend=frozen_backend, rank=rank, world_size=world,
         seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, tasks_in_order=evaluation,
         step_timeout=cfg.env.step_timeout_s, progress=progress, engine_kwargs={"prompt_format": prompt_format},
-        group_size=1 if evaluation else cfg.train.group_size,
+        group_size=1 if evaluation else cfg.train.group_size, branches=1 if evaluation else cfg.train.branches,
     )
 
 

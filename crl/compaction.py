@@ -22,6 +22,7 @@ The driver (a collector, or a test with a toy tokenizer) calls, per episode::
 """
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -203,6 +204,22 @@ class EpisodeContext:
         self.kept_recent: list[int] = []  # k actually used at each compaction, after shrinking
         self.pending_summary = False
         self.finished = False
+
+    def fork(self) -> "EpisodeContext":
+        """An independent copy of this live context (branching at a compaction: one execution prefix, several summaries).
+
+        The engine is shared; the context's lists are copied. Pieces and closed segments are never changed once made,
+        so the copy shares them: the twins' tokens are the same objects up to the fork and their own after it."""
+        self._check_open()
+        twin = copy.copy(self)
+        twin._prefix, twin._steps, twin._history, twin._closed = list(self._prefix), list(self._steps), list(self._history), list(self._closed)
+        twin.kept_recent = list(self.kept_recent)
+        return twin
+
+    @property
+    def n_closed_segments(self) -> int:
+        """Segments closed so far: the index the current execution segment will have."""
+        return len(self._closed)
 
     # ----------------------------------------------------------------- the context h_t
     def _pieces(self) -> list[_Piece]:

@@ -23,6 +23,10 @@ Layout of a batch of ``S`` segments padded to ``T`` tokens (right padding, token
 Written by the collector: ``policy_version`` ``[S]`` int64, the version of the weights the segment was sampled with
 (the trainer refuses a batch whose version is not the learner's); ``group_id`` ``[S]`` int64, the rollout id of the
 first episode of its group (episodes of the same task in one batch, ``train.group_size``; its own id when 1).
+With ``train.branches`` > 1 (one execution prefix continued by several summaries): ``branch_group`` ``[S]`` int64, the
+rollout id of the branch group's first branch (also its ``group_id``), and ``branch_start`` ``[S]`` int64, the segment
+index where the group's branches part (its summary at the first compaction; the rollout's segment count where it ended
+before compacting). Rows of a branch group below ``branch_start`` are the same in every sibling, token for token.
 
 Written later by the critic and the estimator (``[S, T]`` float32, 0 where ``loss_mask`` is False):
 ``state_value``, ``advantage``, ``value_target``.
@@ -244,7 +248,8 @@ def _fail(rule: str, detail: str, rollout=None, segment=None) -> None:
 
 # The dtype of every contract key (README's table of the episode TensorDict; docs/design.md §3).
 CONTRACT_DTYPES = {
-    **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status", "policy_version", "group_id")},
+    **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status", "policy_version", "group_id",
+                                    "branch_group", "branch_start")},
     "reward": torch.float32,
     "tokens": torch.int64,
     "provenance": torch.int64,
@@ -253,6 +258,10 @@ CONTRACT_DTYPES = {
     "sample_log_prob": torch.float32,
     **{key: torch.float32 for key in TRAINING_TOKEN_KEYS},
 }
+
+
+COLLECTOR_KEYS = ("policy_version", "group_id", "branch_group", "branch_start")  # [S] int64, shared by a rollout's rows
+BRANCH_SHARED_KEYS = ("tokens", "provenance", "loss_mask", "sample_log_prob")  # equal in every sibling below branch_start
 
 
 def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | None = None) -> None:
@@ -271,6 +280,10 @@ def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | N
     :data:`CONTRACT_DTYPES` (``dtype``: int64 ids and tokens, float32 reward / log-probs / training tensors, bool
     masks); token ids are ``>= 0`` and, when ``vocab_size`` is given, ``< vocab_size`` (``token-range``);
     ``rollout_id`` and ``segment_index`` are ``>= 0`` (``rollout-id``, ``segment-index``).
+
+    Branch groups (``branch_group`` present, ``complete=True``): every rollout of a group has the same
+    ``branch_start``, at least 1, and its rows below it equal the first sibling's in tokens, provenance, loss mask and
+    behaviour log-probs (``branch-prefix``).
     """
     for key in SEGMENT_KEYS + TOKEN_KEYS:
         if key not in td.keys():
@@ -284,7 +297,7 @@ def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | N
             _fail("shape", f"{key!r} has shape {list(td[key].shape)}, expected [S, T] = [{S}, {T}]")
     if S == 0:
         _fail("empty-batch", "the batch holds 0 segments; a collector must yield at least one rollout")
-    for key in SEGMENT_KEYS + TOKEN_KEYS + tuple(k for k in (*TRAINING_TOKEN_KEYS, "policy_version", "group_id") if k in td.keys()):
+    for key in SEGMENT_KEYS + TOKEN_KEYS + tuple(k for k in (*TRAINING_TOKEN_KEYS, *COLLECTOR_KEYS) if k in td.keys()):
         if td[key].dtype != CONTRACT_DTYPES[key]:
             _fail("dtype", f"{key!r} has dtype {td[key].dtype}, the contract says {CONTRACT_DTYPES[key]} "
                            "(README: the episode TensorDict); build rows with crl.episode.build_episode")
@@ -351,7 +364,7 @@ def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | N
     for r in rid.unique().tolist():
         rows = (rid == r).nonzero().squeeze(-1)
         rows = rows[seg_idx[rows].argsort()]
-        for key in ("reward", "status", "rollout_length", *(k for k in ("policy_version", "group_id") if k in td.keys())):
+        for key in ("reward", "status", "rollout_length", *(k for k in COLLECTOR_KEYS if k in td.keys())):
             vals = td[key][rows]
             if (vals != vals[0]).any():
                 _fail("shared", f"{key!r} differs between segments of one rollout: {vals.tolist()}", r)
@@ -383,6 +396,30 @@ def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | N
                 frozen = bool((prov[row] == int(Provenance.FROZEN_SUMMARY)).any())
                 if n[i] == 0 and not frozen:
                     _fail("no-optimized-token", "segment has no optimized token", r, i)
+    if complete and "branch_group" in td.keys():
+        _validate_branch_groups(td)
+
+
+def _validate_branch_groups(td: TensorDict) -> None:
+    """The ``branch-prefix`` rule of :func:`validate_episodes`."""
+    rid, seg, group, start = td["rollout_id"], td["segment_index"], td["branch_group"], td["branch_start"]
+    for g in group.unique().tolist():
+        rows = (group == g).nonzero().squeeze(-1)
+        starts = start[rows].unique()
+        if len(starts) != 1 or int(starts[0]) < 1:
+            _fail("branch-prefix", f"branch group {g}: branch_start must be one value >= 1 for every sibling, got {starts.tolist()}", int(rid[rows[0]]))
+        prefix = rows[seg[rows] < starts[0]]
+        first = int(rid[prefix].min()) if prefix.numel() else None
+        for i in range(int(starts[0])):
+            at = prefix[seg[prefix] == i]
+            ref = at[rid[at] == first]
+            if ref.numel() != 1:
+                _fail("branch-prefix", f"branch group {g}: the first sibling has no segment {i} below branch_start {int(starts[0])}", first, i)
+            for row in at.tolist():
+                for key in BRANCH_SHARED_KEYS:
+                    if not torch.equal(td[key][row], td[key][int(ref)]):
+                        _fail("branch-prefix", f"branch group {g}: {key!r} of segment {i} differs from the first sibling's (rollout {first}); "
+                                               "rows below branch_start are the shared prefix", int(rid[row]), i)
 
 
 def save_episodes(td: TensorDict, path: str | os.PathLike) -> None:

@@ -22,6 +22,7 @@ question "did the summary carry the fact?" is the same whoever wrote it, and com
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import math
 import numbers
@@ -98,6 +99,33 @@ class _Live:
     summaries_holding: int = 0
     last_summary_holds: bool | None = None
     answer_position: int | None = None
+    branch_ids: list[int] | None = None  # train.branches > 1: the rollout ids of this context's branches, this one's first
+    branch_start: int | None = None  # the segment index where its branches part (None: not branched yet)
+
+    @property
+    def cache_key(self) -> int:
+        """The sampler's prefix-cache key: a branch group's siblings share the context they were forked from, so at the
+        branch point they all read it under the group's key (the first branch's rollout id)."""
+        return self.group_id if self.branch_start is not None and self.ctx.n_closed_segments < self.branch_start else self.rollout_id
+
+    def fork(self, rollout_id: int) -> "_Live":
+        """A sibling of this live episode (its own rollout id; the same task, context and environment state so far)."""
+        return replace(self, rollout_id=rollout_id, env=fork_env(self.env), ctx=self.ctx.fork(), info=dict(self.info), branch_ids=None)
+
+
+def fork_env(env):
+    """An independent copy of an environment's state: its ``fork()`` (:meth:`crl.envs.base.TextEnv.fork`), else a deep
+    copy. Raises :class:`BranchError` naming the environment when neither works."""
+    try:
+        return env.fork() if hasattr(env, "fork") else copy.deepcopy(env)
+    except Exception as err:
+        raise BranchError(f"train.branches > 1 continues an episode several times from its compaction, which needs a copy of the "
+                          f"environment's state: {type(env).__name__} cannot be copied ({type(err).__name__}: {err}); give it a fork() "
+                          "method returning an independent copy (crl.envs.base.TextEnv.fork), or set train.branches=1") from None
+
+
+class BranchError(TypeError):
+    """An environment that cannot be continued twice from one state (``train.branches`` > 1 needs it)."""
 
 
 @dataclass
@@ -250,6 +278,8 @@ class CompactionCollector(EpisodeStream):
         group_size: ``G`` consecutive episodes of this rank play the same task (a group, for a critic-free group
             baseline: :class:`crl.objectives.GroupRelativeAdvantage`); ``episodes_per_batch`` must be a multiple
             of it. Every row carries ``group_id``: the rollout id of its group's first episode.
+        branches: ``k`` > 1 plays each task's execution prefix once and continues it ``k`` times from its first
+            compaction (``episodes_per_batch / k`` contexts, each ``k`` logical rollouts: :meth:`collect`).
     """
 
     def __init__(
@@ -275,6 +305,7 @@ class CompactionCollector(EpisodeStream):
         progress: bool = True,
         engine_kwargs: dict | None = None,
         group_size: int = 1,
+        branches: int = 1,
     ):
         if episodes_per_batch < 1:
             raise ValueError(f"episodes_per_batch must be >= 1, got {episodes_per_batch}")
@@ -284,6 +315,11 @@ class CompactionCollector(EpisodeStream):
             raise ValueError(f"max_action_tokens must be >= 1, got {max_action_tokens}")
         if group_size < 1 or episodes_per_batch % group_size:
             raise ValueError(f"group_size={group_size} must be >= 1 and divide episodes_per_batch={episodes_per_batch}")
+        if branches < 1 or episodes_per_batch % branches:
+            raise ValueError(f"branches={branches} must be >= 1 and divide episodes_per_batch={episodes_per_batch}")
+        if branches > 1 and group_size > 1:
+            raise ValueError(f"branches={branches} with group_size={group_size}: a branch group is already a group of one task's "
+                             "episodes (with one shared prefix); use one of them")
         if step_timeout is not None and not (isinstance(step_timeout, numbers.Real) and 0 < step_timeout < math.inf):
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}")
         self.suite, self.split, self.tasks = suite, split, suite.tasks(split)
@@ -300,7 +336,9 @@ class CompactionCollector(EpisodeStream):
         self.max_action_tokens = max_action_tokens
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.tasks_in_order, self.step_timeout, self.progress = tasks_in_order, step_timeout, progress
-        self.group_size = group_size
+        self.group_size, self.branches = group_size, branches
+        if branches > 1:  # refused now rather than at the first compaction of the run
+            fork_env(suite.make_env(self.tasks[0]))
         self.episodes_started = 0  # this rank's episode counter
         self.batches_yielded = 0
         self.last_episodes: list[EpisodeSummary] = []
@@ -379,18 +417,30 @@ class CompactionCollector(EpisodeStream):
         ep.answer_position = position if isinstance(position, int) else None
 
     def collect(self) -> TensorDict:
-        """Play ``episodes_per_batch`` episodes to the end and return their validated segment rows."""
+        """Play ``episodes_per_batch`` episodes to the end and return their validated segment rows.
+
+        With ``branches = k > 1`` a batch is ``episodes_per_batch / k`` contexts. A context takes ``k`` consecutive
+        episode numbers (rollout ids), plays its task's execution prefix once, and at its first compaction forks into
+        ``k`` branches (:meth:`_Live.fork`: the context, the environment's state and the prefix's sampled tokens
+        shared), each of which samples its own summary and continues to its own reward: ``k`` logical rollouts whose
+        rows before ``branch_start`` are the same, token for token. A context that ends before compacting has nothing
+        left to sample: its ``k`` rollouts are that one episode ``k`` times. Rows carry ``branch_group`` (the first
+        branch's rollout id, also their ``group_id``) and ``branch_start`` (the segment index of the branch point's
+        summary; the rollout's segment count where it never branched)."""
         t0 = time.perf_counter()
         self.backend.clear_prefix_cache()  # the weights may have changed since the last batch
         if self.summary_backend is not None:
             self.summary_backend.clear_prefix_cache()
         live: list[_Live] = []
         done: list[tuple[_Live, EpisodeStatus, float]] = []
-        for _ in range(self.episodes_per_batch):
+        k = self.branches
+        for _ in range(self.episodes_per_batch // k):
             n = self.episodes_started
-            self.episodes_started += 1
+            self.episodes_started += k
             task = self._next_task(n)
             ep = _Live(self._rollout_id(n), task, self.suite.make_env(task), None, self._group_id(n))
+            if k > 1:
+                ep.branch_ids = [self._rollout_id(n + b) for b in range(k)]
             try:
                 ep.ctx = self.engine.start(self._reset_env(ep.env))
                 live.append(ep)
@@ -399,9 +449,13 @@ class CompactionCollector(EpisodeStream):
                 ep.info["error"] = f"reset: {type(err).__name__}: {err}"
                 done.append((ep, EpisodeStatus.FAILED, 0.0))
         bar = tqdm(total=self.episodes_per_batch, desc=f"collect[{self.split}]", unit="ep", disable=not self.progress, leave=False)
-        bar.update(len(done))
+        bar.update(len(done) * k)
         generated = {"action": 0, "summary": 0}
         while live:
+            if k > 1:  # a context at its first compaction becomes k branches, all summarising in this very call
+                for ep in [ep for ep in live if ep.ctx.pending_summary and ep.branch_start is None]:
+                    ep.branch_start = ep.ctx.n_closed_segments + 1
+                    live.extend(ep.fork(rid) for rid in ep.branch_ids[1:])
             summarizing = [ep for ep in live if ep.ctx.pending_summary]
             acting = [ep for ep in live if not ep.ctx.pending_summary]
             # One batched call for every row the policy serves; frozen summaries go to the frozen backend.
@@ -415,10 +469,11 @@ class CompactionCollector(EpisodeStream):
                 [ep.ctx.summary_request_ids if is_sum else ep.ctx.context_ids for ep, is_sum in rows],
                 [ep.ctx.summary_budget if is_sum else min(self.max_action_tokens, ep.ctx.remaining) for ep, is_sum in rows],
                 self.sampling,
-                cache_keys=[ep.rollout_id for ep, _ in rows],
+                cache_keys=[ep.cache_key for ep, _ in rows],
             )
             frozen_gens = (
-                self.summary_backend.generate([ep.ctx.summary_request_ids for ep in frozen_rows], [ep.ctx.summary_budget for ep in frozen_rows], self.sampling, cache_keys=[ep.rollout_id for ep in frozen_rows])
+                self.summary_backend.generate([ep.ctx.summary_request_ids for ep in frozen_rows], [ep.ctx.summary_budget for ep in frozen_rows], self.sampling,
+                                             cache_keys=[ep.cache_key for ep in frozen_rows])
                 if frozen_rows
                 else []
             )
@@ -451,10 +506,14 @@ class CompactionCollector(EpisodeStream):
             for item in finished:
                 live.remove(item[0])
             done.extend(finished)
-            bar.update(len(finished))
+            bar.update(sum(k if ep.branch_ids and ep.branch_start is None else 1 for ep, *_ in finished))
             bar.set_postfix(tokens=generated["action"] + generated["summary"], live=len(live))
         bar.close()
 
+        if k > 1:  # a context that ended before its branch point: its k rollouts are the one episode it played
+            for ep, status, reward in [item for item in done if item[0].branch_start is None]:
+                ep.branch_start = ep.ctx.n_closed_segments + 1  # past its last segment: every row is the shared prefix
+                done.extend((ep.fork(rid), status, reward) for rid in ep.branch_ids[1:])
         done.sort(key=lambda item: item[0].rollout_id)
         rows_td, self.last_episodes = [], []
         version = int(getattr(self.backend, "policy_version", 0))  # the weights every token of this batch was sampled with
@@ -463,6 +522,9 @@ class CompactionCollector(EpisodeStream):
             td = build_episode(segments, ep.rollout_id, reward, status)
             td["policy_version"] = torch.full((td.batch_size[0],), version, dtype=torch.int64)
             td["group_id"] = torch.full((td.batch_size[0],), ep.group_id, dtype=torch.int64)
+            if k > 1:
+                td["branch_group"] = td["group_id"].clone()
+                td["branch_start"] = torch.full((td.batch_size[0],), ep.branch_start, dtype=torch.int64)
             rows_td.append(td)
             self.last_episodes.append(
                 EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"),

@@ -33,6 +33,7 @@ Task suites are deterministic functions of their knobs and ``seed``: every task 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -139,6 +140,12 @@ class TextEnv:
         self.n_revealed = 0  # items shown so far
         self.question_shown = False
         self.done = True  # until reset
+
+    def fork(self) -> "TextEnv":
+        """An independent copy of this episode's state, to continue it twice (the collector branches an episode at its
+        compaction: ``train.branches``). The protocol's state is a few counters: a shallow copy. An environment with
+        mutable state of its own (lists, tools, processes) overrides this."""
+        return copy.copy(self)
 
     def reset(self) -> str:
         """Start the episode; returns the task prompt ``u`` (untagged)."""

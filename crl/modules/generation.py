@@ -136,6 +136,34 @@ class TransformersBackend:
             return 0
         return len(hit[0])
 
+    def _prefill_shared(self, prompts, keys) -> None:
+        """Rows that ask for the same prompt under the same cache key (the branches of one context at its compaction,
+        :class:`crl.collectors.CompactionCollector` with ``branches`` > 1) share its prefill: the prompt but its last token
+        runs through the model once, into that key's cache, and each row then feeds only the last token (a row must
+        feed one, whose logits it samples from). Nothing changes for rows whose prompts are all different."""
+        rows: dict = {}
+        for key, prompt in zip(keys, prompts):
+            if key is not None:
+                rows.setdefault((key, tuple(prompt)), []).append(prompt)
+        for (key, prompt), same in rows.items():
+            cached = self._reusable(key, prompt)
+            if len(same) < 2 or len(prompt) - cached < 2:
+                continue
+            ids = torch.tensor([prompt[cached:-1]], dtype=torch.long, device=self.device)
+            past = None
+            if cached:
+                from transformers import DynamicCache
+
+                past = DynamicCache()
+                for layer, (k, v) in enumerate(self._prefix[key][1]):
+                    past.update(k[:, :cached].unsqueeze(0), v[:, :cached].unsqueeze(0), layer)
+            mask = torch.ones((1, len(prompt) - 1), dtype=torch.long, device=self.device)
+            positions = torch.arange(cached, len(prompt) - 1, device=self.device).unsqueeze(0)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_kw: past})
+            cache = out[self._cache_kw]
+            layers = cache.layers if hasattr(cache, "layers") else [type("L", (), {"keys": k, "values": v}) for k, v in zip(cache.key_cache, cache.value_cache)]
+            self._prefix[key] = (list(prompt[:-1]), [(layer.keys[0].clone(), layer.values[0].clone()) for layer in layers])
+
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, params: SamplingSpec, cache_keys=None) -> list[Generation]:
         n = len(prompts)
@@ -153,6 +181,7 @@ class TransformersBackend:
         keys = list(cache_keys) if cache_keys is not None else [None] * n
         if len(keys) != n:
             raise ValueError(f"{n} prompts but {len(keys)} cache keys")
+        self._prefill_shared(prompts, keys)
         reuse = [self._reusable(k, p) for k, p in zip(keys, prompts)]
         cached_w = max(reuse)
         suffixes = [list(p[r:]) for p, r in zip(prompts, reuse)]
