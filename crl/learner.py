@@ -16,8 +16,15 @@ causal model's output at position ``t`` depends only on ``tokens[:t + 1]``. So (
   where a per-segment forward puts them (zeros on padding). It is a drop-in for the ``TensorDictModule`` of the
   actor or the critic inside :class:`~crl.objectives.CompactionPPOLoss`; the loss and the estimator do not change.
   Gradients flow back through the gather: a shared position receives the gradient of every segment reading it.
+* Branch groups (``branch_group`` / ``branch_start``, :mod:`crl.episode`: one context continued by several summaries):
+  a sibling's rows below ``branch_start`` are the first sibling's, token for token (compared), and read its outputs;
+  the siblings' rows at one segment index share their first tokens (the summary request, the resume context's start),
+  so they run as one *shared-prefix chunk*: the common prefix once, then every row's rest against its keys and values
+  (:func:`crl.modules.networks.trunk_hidden`; the network is called with ``shared_prefix=P``). The prefix of a branch
+  group is thus computed once for all its rollouts, in both the values' pass and the loss's forward and backward.
 * :func:`split_microbatches` makes exactly ``n`` micro-batches balanced by forward tokens and never separates a
-  row from the forward row it reads (a prefix pair is never split across micro-batches).
+  row from the forward row it reads (a prefix pair is never split across micro-batches), nor the rows of one
+  shared-prefix chunk.
 * Counters (:class:`ForwardPlan`, :func:`learner_metrics`): ``learner_tokens`` (positions through the network,
   padding included), ``unique_tokens`` (sum of the forward rows' valid lengths: distinct (rollout, position)
   pairs the loss and the values need), ``padding_frac``, and ``naive_tokens`` (what one padded forward of all
@@ -30,6 +37,7 @@ pads with one-token dummy chunks whose outputs join the graph with weight 0.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,6 +59,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_PADDING = 0.04  # per chunk; 1 / (1 - 0.04) = 1.042 keeps learner/unique tokens <= 1.05 from padding
+# siblings' rows sharing fewer leading tokens run whole: a second forward call costs more than a few positions
+DEFAULT_MIN_SHARED_PREFIX = 16
 
 
 @dataclass
@@ -63,12 +73,18 @@ class ForwardPlan:
             forward rows, ``-1`` for a row with no valid token (outputs are zeros).
         chunks: forward calls: ``(rows, length)`` -- batch row indices (longest first) and the trimmed length.
         seq_len: ``T`` of the batch.
+        shared: per chunk, the number of leading tokens all its rows share and that run once (0: none).
     """
 
     lengths: Tensor
     source: Tensor
     chunks: list[tuple[Tensor, int]]
     seq_len: int
+    shared: list[int] = None
+
+    def __post_init__(self):
+        if self.shared is None:
+            self.shared = [0] * len(self.chunks)
 
     @property
     def forward_rows(self) -> Tensor:
@@ -86,12 +102,15 @@ class ForwardPlan:
 
     @property
     def learner_tokens(self) -> int:
-        return sum(int(rows.numel()) * length for rows, length in self.chunks)
+        """Positions through the network, padding included; a shared-prefix chunk runs its prefix once."""
+        return sum(int(rows.numel()) * (length - P) + P for (rows, length), P in zip(self.chunks, self.shared))
 
     @property
     def unique_tokens(self) -> int:
+        """Distinct positions the loss and the values need: the forward rows' valid tokens, a shared prefix counted once."""
         rows = self.forward_rows
-        return int(self.lengths[rows].sum()) if rows.numel() else 0
+        total = int(self.lengths[rows].sum()) if rows.numel() else 0
+        return total - sum((int(r.numel()) - 1) * P for (r, _), P in zip(self.chunks, self.shared))
 
     @property
     def segment_tokens(self) -> int:
@@ -152,6 +171,48 @@ def _covering_rows(tokens: Tensor, lengths: Tensor, rollout: Tensor, segment: Te
     return parent
 
 
+def _branch_covering(parent: Tensor, tokens: Tensor, lengths: Tensor, rollout: Tensor, segment: Tensor, group: Tensor, start: Tensor) -> Tensor:
+    """``parent`` with every sibling's row below its group's ``branch_start`` pointed at the first sibling's row of the same
+    segment, where their valid tokens are equal (compared: a row that differs keeps its own forward)."""
+    below = segment < start
+    if not below.any():
+        return parent
+    parent = parent.clone()
+    rows = below.nonzero().squeeze(-1)
+    # the first sibling (smallest rollout id) of each (group, segment): sort by group, segment, rollout
+    order = rows[torch.argsort(rollout[rows], stable=True)]
+    order = order[torch.argsort(segment[order], stable=True)]
+    order = order[torch.argsort(group[order], stable=True)]
+    ref = order[0]
+    for row in order.tolist():
+        if group[row] != group[ref] or segment[row] != segment[ref]:
+            ref = row
+            continue
+        n = int(lengths[row])
+        if row != ref and n == int(lengths[ref]) and torch.equal(tokens[row, :n], tokens[ref, :n]):
+            parent[row] = ref
+    return parent
+
+
+def _shared_prefix_clusters(forward_rows: Tensor, tokens: Tensor, lengths: Tensor, segment: Tensor, group: Tensor, min_shared: int):
+    """Forward rows of one branch group at one segment index (siblings: their summary rows at the branch point, their
+    execution rows after it), with the number of leading tokens they all share (their longest common prefix, below
+    the shortest row's length). Clusters of one row, or sharing fewer than ``min_shared`` tokens, are not returned."""
+    out = []
+    key = group[forward_rows] * (int(segment.max()) + 1 if segment.numel() else 1) + segment[forward_rows]
+    for k in key.unique().tolist():
+        rows = forward_rows[key == k]
+        if rows.numel() < 2:
+            continue
+        shortest = int(lengths[rows].min())
+        same = (tokens[rows, :shortest] == tokens[rows[:1], :shortest]).all(0)
+        P = int(same.long().cumprod(0).sum())
+        P = min(P, shortest - 1)  # every row keeps a token of its own to run against the prefix
+        if P >= min_shared:
+            out.append((rows, P))
+    return out
+
+
 def _chunks(rows: Tensor, lengths: Tensor, max_padding: float, max_chunk_tokens: int | None) -> list[tuple[Tensor, int]]:
     """Greedy length buckets over rows sorted longest first: each chunk's padding <= ``max_padding``."""
     if rows.numel() == 0:
@@ -181,15 +242,20 @@ def plan_forward(
     max_padding: float = DEFAULT_MAX_PADDING,
     max_chunk_tokens: int | None = None,
     share_prefixes: bool = True,
+    min_shared_prefix: int = DEFAULT_MIN_SHARED_PREFIX,
     tokens_key: NestedKey = "tokens",
     mask_key: NestedKey = "attention_mask",
     rollout_key: NestedKey = "rollout_id",
     segment_key: NestedKey = "segment_index",
+    branch_group_key: NestedKey = "branch_group",
+    branch_start_key: NestedKey = "branch_start",
 ) -> ForwardPlan:
     """Plan the learner's forward over the segment rows ``[S, T]`` of ``td`` (see the module docstring).
 
     Sharing needs ``rollout_key`` and ``segment_key``; without them (or with ``share_prefixes=False``) every
-    row is its own forward row and only the length buckets apply. Runs on CPU copies of the integer keys.
+    row is its own forward row and only the length buckets apply. Branch groups need ``branch_group_key`` and
+    ``branch_start_key`` too (absent: none); siblings' rows sharing at least ``min_shared_prefix`` leading tokens run
+    as a shared-prefix chunk (``None``: never). Runs on CPU copies of the integer keys.
     """
     if not 0 <= max_padding < 1:
         raise ValueError(f"plan_forward: max_padding={max_padding} must be in [0, 1)")
@@ -203,8 +269,15 @@ def plan_forward(
     S, T = tokens.shape
     parent = torch.arange(S)
     rollout, segment = td.get(rollout_key, None), td.get(segment_key, None)
+    group = td.get(branch_group_key, None) if branch_group_key is not None else None
+    start = td.get(branch_start_key, None) if branch_start_key is not None else None
+    branched = share_prefixes and rollout is not None and segment is not None and group is not None and start is not None
     if share_prefixes and rollout is not None and segment is not None:
-        parent = _covering_rows(tokens, lengths, rollout.detach().cpu().long(), segment.detach().cpu().long())
+        rollout, segment = rollout.detach().cpu().long(), segment.detach().cpu().long()
+        parent = _covering_rows(tokens, lengths, rollout, segment)
+        if branched:
+            group, start = group.detach().cpu().long(), start.detach().cpu().long()
+            parent = _branch_covering(parent, tokens, lengths, rollout, segment, group, start)
     root = parent
     while True:  # follow chains (a covering row may itself be covered); at most one hop per segment
         nxt = parent[root]
@@ -213,7 +286,17 @@ def plan_forward(
         root = nxt
     source = torch.where(lengths > 0, root, torch.full_like(root, -1))
     forward_rows = torch.nonzero((source == torch.arange(S))).squeeze(-1)
-    return ForwardPlan(lengths, source, _chunks(forward_rows, lengths, max_padding, max_chunk_tokens), T)
+    chunks, shared = [], []
+    if branched and min_shared_prefix is not None:
+        for rows, P in _shared_prefix_clusters(forward_rows, tokens, lengths, segment, group, max(int(min_shared_prefix), 1)):
+            rows = rows[torch.sort(lengths[rows], descending=True, stable=True).indices]
+            chunks.append((rows, int(lengths[rows[0]])))
+            shared.append(P)
+        if chunks:
+            clustered = torch.cat([rows for rows, _ in chunks])
+            forward_rows = forward_rows[~torch.isin(forward_rows, clustered)]
+    rest = _chunks(forward_rows, lengths, max_padding, max_chunk_tokens)
+    return ForwardPlan(lengths, source, chunks + rest, T, shared + [0] * len(rest))
 
 
 def learner_metrics(plans: Sequence[ForwardPlan], prefix: str = "perf/") -> dict:
@@ -257,10 +340,15 @@ class PrefixSharedForward(TensorDictModuleBase):
             outputs elsewhere are then 0. None (or the key absent from the input): every position's.
         sync_ranks: pad to the same number of forward calls on every rank (default: when ``torch.distributed``
             has several ranks). Needed by DDP (buffer broadcast per forward) and ZeRO-3 (gathers per forward).
+        branch_group_key, branch_start_key: the branch keys (:mod:`crl.episode`) of batches with branch groups
+            (``train.branches`` > 1); None (default): no branch group. A shared-prefix chunk calls the network with
+            ``shared_prefix=P`` where its ``forward`` takes that argument (the networks of :mod:`crl.modules.networks`),
+            and runs its rows whole elsewhere.
+        min_shared_prefix: see :func:`plan_forward`.
 
-    ``in_keys`` are tokens, attention mask, rollout id and segment index, so ``CompactionPPOLoss`` (which calls
-    its networks on ``td.select(*in_keys)``) hands over what the plan needs. ``counters`` accumulates
-    :meth:`ForwardPlan.counts` over calls; :meth:`pop_counters` returns and resets them.
+    ``in_keys`` are tokens, attention mask, rollout id and segment index (and the branch keys when given), so
+    ``CompactionPPOLoss`` (which calls its networks on ``td.select(*in_keys)``) hands over what the plan needs.
+    ``counters`` accumulates :meth:`ForwardPlan.counts` over calls; :meth:`pop_counters` returns and resets them.
     """
 
     def __init__(
@@ -277,14 +365,22 @@ class PrefixSharedForward(TensorDictModuleBase):
         share_prefixes: bool = True,
         sync_ranks: bool | None = None,
         needed_key: NestedKey | None = None,
+        branch_group_key: NestedKey | None = None,
+        branch_start_key: NestedKey | None = None,
+        min_shared_prefix: int | None = DEFAULT_MIN_SHARED_PREFIX,
     ):
         super().__init__()
         self.net = net
-        self.in_keys = [tokens_key, mask_key, rollout_key, segment_key] + ([needed_key] if needed_key is not None else [])
+        branch_keys = [k for k in (branch_group_key, branch_start_key) if k is not None]
+        self.in_keys = [tokens_key, mask_key, rollout_key, segment_key] + branch_keys + ([needed_key] if needed_key is not None else [])
         self.needed_key = needed_key
         self.out_keys = list(out_keys)
-        self.keys = dict(tokens_key=tokens_key, mask_key=mask_key, rollout_key=rollout_key, segment_key=segment_key)
-        self.plan_kwargs = dict(max_padding=max_padding, max_chunk_tokens=max_chunk_tokens, share_prefixes=share_prefixes)
+        self.keys = dict(tokens_key=tokens_key, mask_key=mask_key, rollout_key=rollout_key, segment_key=segment_key,
+                         branch_group_key=branch_group_key, branch_start_key=branch_start_key)
+        self.plan_kwargs = dict(max_padding=max_padding, max_chunk_tokens=max_chunk_tokens, share_prefixes=share_prefixes,
+                                min_shared_prefix=min_shared_prefix)
+        module = getattr(net, "module", net)  # a DDP wrapper's module
+        self.takes_shared_prefix = "shared_prefix" in inspect.signature(module.forward).parameters
         self.sync_ranks = sync_ranks
         self.counters: dict = {}
         self.last_plan: ForwardPlan | None = None
@@ -322,10 +418,11 @@ class PrefixSharedForward(TensorDictModuleBase):
             readers = src >= 0
             needed = torch.zeros(need.shape, dtype=torch.int32, device=dev).index_put_((src[readers],), need[readers].int(), accumulate=True) > 0
         bufs: list[list[Tensor]] = [[] for _ in self.out_keys]
-        for rows, length in plan.chunks:
+        for (rows, length), P in zip(plan.chunks, plan.shared):
             r = rows.to(dev)
-            res = self.net(tokens[r, :length], mask[r, :length]) if needed is None else \
-                self.net(tokens[r, :length], mask[r, :length], needed=needed[r, :length])
+            kw = {"shared_prefix": P} if P and self.takes_shared_prefix else {}
+            res = self.net(tokens[r, :length], mask[r, :length], **kw) if needed is None else \
+                self.net(tokens[r, :length], mask[r, :length], needed=needed[r, :length], **kw)
             res = (res,) if isinstance(res, Tensor) else tuple(res)
             if len(res) != len(self.out_keys):
                 raise ValueError(f"PrefixSharedForward: the network returned {len(res)} outputs for out_keys {self.out_keys}")
@@ -388,10 +485,17 @@ def microbatch_rows(td: TensorDictBase, n: int, *, plan: ForwardPlan | None = No
     src = plan.source.clone()
     lone = src < 0
     src[lone] = torch.arange(S)[lone]
+    unit = torch.arange(S)  # a shared-prefix chunk's rows are one unit: its prefix runs once for all of them
+    cost_of = plan.lengths.clamp(min=1).clone()
+    for (rows, _), P in zip(plan.chunks, plan.shared):
+        if P:
+            unit[rows] = int(rows[0])
+            cost_of[int(rows[0])] = int(plan.lengths[rows].sum()) - (rows.numel() - 1) * P
+    src = unit[src]
     groups: dict[int, list[int]] = {}
     for row, g in enumerate(src.tolist()):
         groups.setdefault(g, []).append(row)
-    cost = {g: max(int(plan.lengths[g]), 1) for g in groups}
+    cost = {g: max(int(cost_of[g]), 1) for g in groups}
     load, bins = [0] * n, [[] for _ in range(n)]
     for g in sorted(groups, key=lambda g: (-cost[g], g)):
         i = min(range(n), key=lambda i: (load[i], i))

@@ -68,6 +68,34 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def trunk_hidden(decoder: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+    """The final (normed) hidden states ``[B, L, H]`` of ``decoder`` (a ``transformers`` base model) over right-padded rows.
+
+    ``shared_prefix = P > 0``: every row's first ``P`` tokens are the same real tokens (the branches of one context,
+    :func:`crl.learner.plan_forward`). They run once, as one row whose keys and values are kept (with their graph),
+    and each row's rest runs against them at positions ``P…``: a causal model's state at ``t`` depends on
+    ``tokens[:t + 1]`` only, so every position gets what a whole-row forward gives it, to float rounding, and a gradient
+    reaching the shared positions from any row flows into the one computation. Falls back to whole rows where the
+    keys and values cannot be kept: under activation checkpointing in training (transformers drops the cache there)."""
+    mask = attention_mask.long()
+    P = int(shared_prefix)
+    if P <= 0 or (getattr(decoder, "gradient_checkpointing", False) and decoder.training):
+        return decoder(input_ids=tokens, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False).last_hidden_state
+    from transformers import DynamicCache
+
+    B = tokens.shape[0]
+    head = decoder(input_ids=tokens[:1, :P], attention_mask=mask[:1, :P], position_ids=_position_ids(mask[:1, :P]), use_cache=True,
+                   past_key_values=DynamicCache())
+    cache = head.past_key_values
+    layers = cache.layers if hasattr(cache, "layers") else [type("L", (), {"keys": k, "values": v}) for k, v in zip(cache.key_cache, cache.value_cache)]
+    shared = DynamicCache()
+    for i, layer in enumerate(layers):
+        shared.update(layer.keys.expand(B, *layer.keys.shape[1:]), layer.values.expand(B, *layer.values.shape[1:]), i)
+    rest = decoder(input_ids=tokens[:, P:], attention_mask=mask, position_ids=_position_ids(mask)[:, P:], past_key_values=shared,
+                   use_cache=True).last_hidden_state
+    return torch.cat([head.last_hidden_state.expand(B, -1, -1), rest], dim=1)
+
+
 class CausalLMLogProbs(nn.Module):
     """Teacher-forced per-token log-probs and entropies of the distribution the sampler draws from.
 
@@ -117,12 +145,14 @@ class CausalLMLogProbs(nn.Module):
     PLAIN_HEAD_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None,
-                alternatives: torch.Tensor | None = None, needed: torch.Tensor | None = None):
+                alternatives: torch.Tensor | None = None, needed: torch.Tensor | None = None, shared_prefix: int = 0):
+        """``shared_prefix``: every row's first tokens are the same (:func:`trunk_hidden`); used where the head runs on
+        the needed positions (elsewhere the rows run whole)."""
         if lm_kwargs is not None:  # generation through this module (a ZeRO-3 engine's hooks start at its forward)
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
         if needed is not None and alternatives is None and self.head_on_needed_positions:
-            return self.outputs_at(self.final_hidden(tokens, attention_mask), tokens, attention_mask, needed)
+            return self.outputs_at(self.final_hidden(tokens, attention_mask, shared_prefix), tokens, attention_mask, needed)
         out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False)
         return self.outputs(out.logits, tokens, attention_mask, alternatives)
 
@@ -131,10 +161,9 @@ class CausalLMLogProbs(nn.Module):
         """Whether :meth:`outputs_at` applies: the model's logits are its LM head on its final hidden states."""
         return getattr(self.lm.config, "model_type", None) in self.PLAIN_HEAD_MODEL_TYPES
 
-    def final_hidden(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The decoder's final (normed) hidden states ``[B, T, H]``: what the LM head reads."""
-        return self.lm.get_decoder()(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask),
-                                     use_cache=False).last_hidden_state
+    def final_hidden(self, tokens: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int = 0) -> torch.Tensor:
+        """The decoder's final (normed) hidden states ``[B, T, H]``: what the LM head reads (:func:`trunk_hidden`)."""
+        return trunk_hidden(self.lm.get_decoder(), tokens, attention_mask, shared_prefix)
 
     def outputs_at(self, hidden: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor, needed: torch.Tensor):
         """``(log_prob, entropy)`` ``[B, T]`` at the positions ``needed`` marks (``[B, T]`` bool: the optimized tokens the
@@ -292,9 +321,10 @@ class ValueModel(nn.Module):
         copy_parameters_(fresh, backbone)
         return cls(fresh, lm.config.hidden_size, head_init, seed)
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, shared_prefix: int = 0) -> torch.Tensor:
+        """``shared_prefix``: every row's first tokens are the same (:func:`trunk_hidden`)."""
         attention_mask = attention_mask.long()
-        hidden = self.backbone(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False).last_hidden_state
+        hidden = trunk_hidden(self.backbone, tokens, attention_mask, shared_prefix)
         return value_outputs(self.value_head, hidden, attention_mask)
 
 
@@ -319,12 +349,13 @@ class PolicyValueLM(CausalLMLogProbs):
         self.value_head = value_head(lm.config.hidden_size, head_init, seed)
         self.detach_value_features = detach_value_features
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None, needed: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None, needed: torch.Tensor | None = None,
+                shared_prefix: int = 0):
         if lm_kwargs is not None:  # generation through this module
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()
         if needed is not None and self.head_on_needed_positions:  # the LM head on the needed positions only
-            hidden = self.final_hidden(tokens, attention_mask)
+            hidden = self.final_hidden(tokens, attention_mask, shared_prefix)
             log_prob, entropy = self.outputs_at(hidden, tokens, attention_mask, needed)
         else:
             out = self.lm(input_ids=tokens, attention_mask=attention_mask, position_ids=_position_ids(attention_mask), use_cache=False,
