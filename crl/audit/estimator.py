@@ -119,10 +119,14 @@ def gae_advantages(ev: Evidence, it: int, est: dict) -> list:
     by: dict[int, dict[int, Row]] = {}
     for row in rows.values():
         by.setdefault(row.rid, {})[row.seg] = row
+    w = float(est.get("sibling_value_weight", 0.0))
+    loo = sibling_means(by) if w > 0 else {}
     results = []  # (row, A_hat, target) over optimized positions
     for row in rows.values():
         pos = np.nonzero(row.lm == 1)[0]
         V = [float(v) for v in row.value[pos]]
+        if row.rid in loo and row.seg >= row.branch_start:  # from the branch point on: the siblings' mean mixed in
+            V = [(1.0 - w) * v + w * loo[row.rid] for v in V]
         kl = [float(k) for k in row.kl[pos]] if row.kl is not None else None
         lam = segment_lambda(est, len(pos), row.rollout_length)
         boot = None
@@ -143,6 +147,26 @@ def gae_advantages(ev: Evidence, it: int, est: dict) -> list:
         std = math.sqrt(max(sum((a - mean) ** 2 for a in flat) / count, 0.0))
         results = [(r, p, [(a - mean) / (std + WHITEN_EPS) for a in A_hat], t) for r, p, A_hat, t in results]
     return results
+
+
+def sibling_means(by: dict[int, dict[int, Row]]) -> dict[int, float]:
+    """``{rollout: the mean reward of the other rollouts of its branch group}`` for rollouts with at least one sibling in
+    training.pt (``algo.sibling_value_weight``)."""
+    members: dict[int, list[int]] = {}
+    reward = {}
+    for rid, segs in by.items():
+        row = next(iter(segs.values()))
+        if row.branch_group is None:
+            raise RuntimeError(f"rollout {rid} has no branch_group, which sibling_value_weight > 0 needs")
+        members.setdefault(row.branch_group, []).append(rid)
+        reward[rid] = row.reward
+    out = {}
+    for rids in members.values():
+        if len(rids) < 2:
+            continue
+        for r in rids:
+            out[r] = sum(reward[o] for o in rids if o != r) / (len(rids) - 1)
+    return out
 
 
 def group_advantages(ev: Evidence, it: int, est: dict) -> list:

@@ -17,6 +17,7 @@ from crl.audit.rows import Row, load_rows
 EVIDENCE_FILES = ("rollout.pt", "training.pt", "grad_norms.json", "meta.json")
 ESTIMATOR_KEYS = ("gamma", "alpha", "lmbda", "lambda_length", "cross_trajectory", "value_target", "boundary", "whiten")
 GROUP_ESTIMATOR_KEYS = ("group_baseline", "group_scale")  # estimator "name": "group" (critic-free)
+OPTIONAL_ESTIMATOR_KEYS = {"sibling_value_weight": 0.0}  # gae settings added later, at the value older evidence implies
 ITER_RE = re.compile(r"^iter_(\d+)$")
 RANK_RE = re.compile(r"^rank_(\d+)$")
 
@@ -39,6 +40,7 @@ class Evidence:
     files: list[dict] = field(default_factory=list)  # the hashed evidence and checkpoint files (files_manifest)
     frozen_summary: bool = False  # every evidence meta says frozen_summary: true
     failed_episodes: str = "train"  # evidence meta failed_episodes (older evidence: every episode trained)
+    uniform_groups: str = "train"  # evidence meta uniform_groups (older evidence: no group left out)
 
     def need_rows(self):
         """Raise unless rows of both files were loaded: a check of rows with none to check fails."""
@@ -91,7 +93,8 @@ def check_evidence_files(ev: Evidence):
                 if not isinstance(e, dict) or any(k not in e for k in keys) or e.get("name", "gae") not in ("gae", "group"):
                     problems.append(f"{where}/meta.json: estimator must hold {list(keys)} (name gae or group), got {e}")
                 else:
-                    est.append({"name": e.get("name", "gae"), **{k: e[k] for k in keys}})
+                    optional = OPTIONAL_ESTIMATOR_KEYS if keys is ESTIMATOR_KEYS else {}
+                    est.append({"name": e.get("name", "gae"), **{k: e[k] for k in keys}, **{k: e.get(k, d) for k, d in optional.items()}})
                 if not isinstance(meta.get("checkpoint"), str):
                     problems.append(f"{where}/meta.json: no 'checkpoint' path")
                 for flag in ("critic_warmup", "frozen_summary", "update_skipped"):
@@ -122,6 +125,10 @@ def check_evidence_files(ev: Evidence):
     if not policies <= {"drop", "train"} or len(policies) > 1:
         problems.append(f"failed_episodes must be one of drop/train and equal in every evidence meta.json, got {sorted(map(str, policies))}")
     ev.failed_episodes = next(iter(policies)) if len(policies) == 1 else "train"
+    uniform = {m.get("uniform_groups", "train") for m in ev.meta.values()}
+    if not uniform <= {"drop", "train"} or len(uniform) > 1:
+        problems.append(f"uniform_groups must be one of drop/train and equal in every evidence meta.json, got {sorted(map(str, uniform))}")
+    ev.uniform_groups = next(iter(uniform)) if len(uniform) == 1 else "train"
     frozen = {m.get("frozen_summary", False) is True for m in ev.meta.values()}
     if len(frozen) > 1:
         problems.append("frozen_summary is true in some evidence meta.json and not in others: one run is one arm")

@@ -22,7 +22,7 @@ from crl.audit.checkpoints import CHECKPOINT_FILES, check_checkpoint
 from crl.audit.estimator import TOLERANCE, check_advantages
 from crl.audit.evidence import EVIDENCE_FILES, Evidence, check_evidence_files, first
 from crl.audit.grad_norms import check_grad_norms
-from crl.audit.rollouts import check_n_after, check_rollout_training_agree, check_siblings, check_trainable_set
+from crl.audit.rollouts import check_branch_prefix, check_n_after, check_rollout_training_agree, check_siblings, check_trainable_set
 from crl.audit.tokens import check_frozen_summary, check_masked, check_path, check_summary_optimized
 from crl.io import sha256_file
 from crl.provenance import source_hash
@@ -125,6 +125,8 @@ class Audit:
         self.run_check("rollout_training_agree", lambda: check_rollout_training_agree(ev))
         self.run_check("trainable_set_complete", lambda: check_trainable_set(ev))
         self.run_check("siblings_share_reward_status", lambda: check_siblings(ev))
+        if any(row.branch_group is not None for row in ev.all_rows()):  # a run with branch groups (train.branches > 1)
+            self.run_check("branch_prefix_shared", lambda: check_branch_prefix(ev))
         self.run_check("execution_summary_execution_path", lambda: check_path(ev))
         if ev.frozen_summary:  # an explicit rule for the frozen arm, in the same place (never a silent skip)
             self.run_check("frozen_summary_not_trained", lambda: check_frozen_summary(ev))

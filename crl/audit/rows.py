@@ -36,6 +36,8 @@ class Row:
     logp: np.ndarray
     where: str  # "iter_N/rank_R/file"
     group: int | None = None  # group_id (episodes of one task in a batch), when the run wrote it
+    branch_group: int | None = None  # train.branches > 1: the branch group and where its branches part
+    branch_start: int | None = None
     value: np.ndarray | None = None
     adv: np.ndarray | None = None
     vt: np.ndarray | None = None
@@ -71,6 +73,8 @@ def load_rows(path: Path, where: str, training: bool) -> list[Row]:
             tokens=tok("tokens"), prov=tok("provenance").astype(np.int64), attn=tok("attention_mask"),
             lm=tok("loss_mask").astype(np.int64), logp=tok("sample_log_prob"), where=where,
             group=int(a["group_id"][s]) if "group_id" in a else None,
+            branch_group=int(a["branch_group"][s]) if "branch_group" in a else None,
+            branch_start=int(a["branch_start"][s]) if "branch_start" in a else None,
         )
         if training:
             row.value, row.adv, row.vt = tok("state_value"), tok("advantage"), tok("value_target")

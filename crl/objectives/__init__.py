@@ -14,7 +14,7 @@ import importlib
 _EXPORTS = {
     "LossNormalizer": "distributed", "all_reduce_sum": "distributed", "dist_ready": "distributed", "make_normalizer": "distributed",
     "adaptive_lambda": "functional", "cross_trajectory_gae": "functional", "masked_whiten": "functional",
-    "next_segment_start_value": "functional",
+    "next_segment_start_value": "functional", "sibling_values": "functional", "agreeing_groups": "functional",
     "EstimatorOptionError": "options", "check_estimator_options": "options",
     "AGGREGATIONS": "ppo", "KL_TARGETS": "ppo", "CompactionPPOLoss": "ppo", "explained_variance_of": "ppo",
     "CrossTrajectoryGAE": "value",

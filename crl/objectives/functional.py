@@ -41,6 +41,8 @@ __all__ = [
     "GROUP_BASELINES",
     "GROUP_SCALES",
     "group_relative_advantage",
+    "sibling_values",
+    "agreeing_groups",
 ]
 
 
@@ -480,3 +482,81 @@ def group_relative_advantage(
         std = (sq / count - mean * mean).clamp_min(0).sqrt()
         adv = adv / (std[roll_group] + eps)
     return (adv.float()[row_rollout].unsqueeze(-1) * mask).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# branch groups: the siblings' returns as a value, and groups without signal
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _per_rollout(reward: Tensor, rollout_id: Tensor, *per_row: Tensor):
+    """One reward per rollout (its first row's) and each ``per_row`` key's value there, with every row's rollout index."""
+    S = reward.shape[0]
+    rollouts, row_rollout = torch.unique(rollout_id, return_inverse=True)
+    first = torch.full((rollouts.numel(),), S, dtype=torch.long, device=reward.device).scatter_reduce(
+        0, row_rollout, torch.arange(S, device=reward.device), reduce="amin")
+    return row_rollout, reward[first].double(), *(x[first] for x in per_row)
+
+
+@torch.no_grad()
+def sibling_values(
+    value: Tensor,
+    loss_mask: Tensor,
+    reward: Tensor,
+    rollout_id: Tensor,
+    segment_index: Tensor,
+    branch_group: Tensor,
+    branch_start: Tensor,
+    weight: float,
+) -> Tensor:
+    """The values of the cross-trajectory GAE with the siblings' returns mixed in from the branch point on
+    (``algo.sibling_value_weight``, docs/design.md §4).
+
+    Branch ``b`` of a group ``g`` of ``k_g`` rollouts in the batch (one context continued by ``k_g`` summaries, each to
+    its own reward ``R``) gets the Monte Carlo value of the context it shares with its siblings, their leave-one-out
+    mean return, independent of its own actions and outcome::
+
+        V̄_b = (Σ_{b' ∈ g} R_b' - R_b) / (k_g - 1)
+        V'[s, t] = (1 - w) V[s, t] + w V̄_b      for every optimized token t of every row s of b at or after branch_start
+
+    and ``V' = V`` elsewhere: on the shared prefix (``V̄`` depends on the prefix's own actions through the siblings'
+    outcomes, so it is no baseline for them), in groups of one rollout (no sibling), and off the loss mask. With
+    ``w = 1`` and ``γ = 1`` Eqs. 13–14 then give ``Â_i = (γλ)^{N_{>s} + n_s - 1 - i} (R_b - V̄_b)``: RLOO's advantage,
+    discounted by the token distance to the reward as Eq. 15 discounts it.
+
+    ``value``, ``loss_mask``: ``[S, T]``; the rest ``[S]``. Returns ``[S, T]`` in ``value.dtype``.
+    """
+    if not 0.0 <= float(weight) <= 1.0:
+        raise EstimatorOptionError("sibling_value_weight", f"{weight} must be in [0, 1]")
+    mask = _as_bool_mask(loss_mask)
+    S = value.shape[0]
+    if S == 0 or float(weight) == 0.0:
+        return value
+    _check_finite("reward", reward, hint=" (sibling_values)")
+    row_rollout, R, group = _per_rollout(reward, rollout_id, branch_group)
+    groups, roll_group = torch.unique(group, return_inverse=True)
+    count = torch.zeros(groups.numel(), dtype=torch.float64, device=R.device).index_add_(0, roll_group, torch.ones_like(R))
+    total = torch.zeros_like(count).index_add_(0, roll_group, R)
+    n = count[roll_group]
+    loo = torch.where(n > 1, (total[roll_group] - R) / (n - 1).clamp_min(1), torch.zeros_like(R))  # per rollout
+    after = (segment_index >= branch_start) & (n[row_rollout] > 1)  # per row
+    where = mask & after.unsqueeze(-1)
+    mixed = (1.0 - float(weight)) * value.double() + float(weight) * loo[row_rollout].unsqueeze(-1)
+    return torch.where(where, mixed.to(value.dtype), value)
+
+
+@torch.no_grad()
+def agreeing_groups(reward: Tensor, group_id: Tensor, rollout_id: Tensor) -> Tensor:
+    """``[S]`` bool: the row's rollout is in a group of at least two rollouts (in this batch) whose rewards all agree.
+    Such a group carries no signal between its members: any baseline from their rewards gives every member 0
+    (``train.uniform_groups=drop`` leaves them out of the update, as DAPO's dynamic sampling does)."""
+    if reward.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool, device=reward.device)
+    row_rollout, R, group = _per_rollout(reward, rollout_id, group_id)
+    groups, roll_group = torch.unique(group, return_inverse=True)
+    G = groups.numel()
+    count = torch.zeros(G, dtype=torch.long, device=R.device).index_add_(0, roll_group, torch.ones_like(roll_group))
+    lo = torch.full((G,), float("inf"), dtype=torch.float64, device=R.device).scatter_reduce(0, roll_group, R, reduce="amin")
+    hi = torch.full((G,), float("-inf"), dtype=torch.float64, device=R.device).scatter_reduce(0, roll_group, R, reduce="amax")
+    uniform = (count >= 2) & (lo == hi)
+    return uniform[roll_group][row_rollout]

@@ -22,6 +22,7 @@ from crl.objectives.functional import (
     cross_trajectory_gae,
     masked_whiten,
     next_segment_start_value,
+    sibling_values,
 )
 
 __all__ = ["CrossTrajectoryGAE"]
@@ -52,6 +53,10 @@ class CrossTrajectoryGAE(ValueEstimatorBase):
             sibling in the batch, or a precomputed ``next_segment_value`` key).
         whiten: standardise the advantage over the optimized tokens of the global batch (all ranks); off by
             default.
+        sibling_value_weight: ``w`` in ``[0, 1]``: from each branch group's branch point on, the values are
+            ``(1 - w) V + w V̄`` with ``V̄`` the siblings' leave-one-out mean return
+            (:func:`~crl.objectives.functional.sibling_values`; needs ``branch_group`` / ``branch_start``); 0 (default):
+            the critic's alone.
         value_network: optional critic (a TensorDictModule reading ``("tokens", "attention_mask")`` and writing
             ``"state_value"`` ``[S, T]``); when given it is run first (without gradients unless
             ``differentiable``) and its output, zeroed where ``loss_mask`` is False, is written to the value key.
@@ -87,6 +92,8 @@ class CrossTrajectoryGAE(ValueEstimatorBase):
         next_segment_value: NestedKey = "next_segment_value"
         rollout_id: NestedKey = "rollout_id"
         segment_index: NestedKey = "segment_index"
+        branch_group: NestedKey = "branch_group"
+        branch_start: NestedKey = "branch_start"
 
     default_keys = _AcceptedKeys
     value_network: TensorDictModule | None
@@ -102,6 +109,7 @@ class CrossTrajectoryGAE(ValueEstimatorBase):
         value_target: str = "local",
         boundary: str = "terminal",
         whiten: bool = False,
+        sibling_value_weight: float = 0.0,
         value_network: TensorDictModule | None = None,
         differentiable: bool = False,
         skip_existing: bool | None = None,
@@ -125,6 +133,9 @@ class CrossTrajectoryGAE(ValueEstimatorBase):
         self.value_target = value_target
         self.boundary = boundary
         self.whiten = bool(whiten)
+        if not 0.0 <= float(sibling_value_weight) <= 1.0:
+            raise EstimatorOptionError("sibling_value_weight", f"{sibling_value_weight} must be in [0, 1] (CrossTrajectoryGAE)")
+        self.sibling_value_weight = float(sibling_value_weight)
         self.chunk_size = int(chunk_size)
 
     @property
@@ -136,6 +147,8 @@ class CrossTrajectoryGAE(ValueEstimatorBase):
             keys.append(k.value)
         if self.lmbda is None and self.lambda_length == "rollout":
             keys.append(k.rollout_length)
+        if self.sibling_value_weight > 0:
+            keys += [k.rollout_id, k.segment_index, k.branch_group, k.branch_start]
         return list(dict.fromkeys(keys))
 
     @_self_set_skip_existing
@@ -155,6 +168,13 @@ class CrossTrajectoryGAE(ValueEstimatorBase):
                 f"CrossTrajectoryGAE: key {k.value!r} is missing and no value_network was given; run the critic "
                 "first or pass value_network"
             )
+        if self.sibling_value_weight > 0:
+            missing = [key for key in (k.rollout_id, k.segment_index, k.branch_group, k.branch_start) if tensordict.get(key, None) is None]
+            if missing:
+                raise KeyError(f"CrossTrajectoryGAE: sibling_value_weight > 0 needs branch groups, but {missing} are missing; collect with "
+                               "train.branches >= 2 (crl.collectors.CompactionCollector writes branch_group and branch_start)")
+            value = sibling_values(value, mask, tensordict.get(k.reward), tensordict.get(k.rollout_id), tensordict.get(k.segment_index),
+                                   tensordict.get(k.branch_group), tensordict.get(k.branch_start), self.sibling_value_weight)
         next_value = None
         if self.boundary == "bootstrap":
             next_value = tensordict.get(k.next_segment_value, None)
