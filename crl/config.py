@@ -157,6 +157,13 @@ class AlgoConfig:
     # to push a converged policy's entropy back up late (crl.training.update.PPOUpdate.set_entropy_coef)
     entropy_schedule: str = "constant"
     kl_coef: float = 0.0
+    # what the KL penalty (kl_coef > 0) pulls toward: behaviour (the sampling policy of the batch) | reference (the policy
+    # as RL started, after the warm start: the frozen adapter under LoRA, a frozen copy otherwise), Schulman's k3 per token
+    kl_to: str = "behaviour"
+    # with train.branches > 1: the weight w of the siblings' leave-one-out mean return in the value of every optimized
+    # token from the branch point on, V <- (1 - w) V_critic + w mean_{b' != b} R_b' (docs/design.md §4: a Monte Carlo
+    # value of the branch point's context); 0: the critic's alone, 1: the siblings' alone
+    sibling_value_weight: float = 0.0
     # null | > 0: stop an iteration's policy steps once the approximate KL to the sampling policy, measured by a step's
     # own forward on its minibatch, exceeds 1.5 x target_kl; that step is not applied (SB3's PPO target_kl;
     # crl.training.update.PPOUpdate.update_policy). Not with DeepSpeed, whose engine steps inside the accumulation loop.
@@ -184,6 +191,13 @@ class TrainConfig:
     iterations: int = 40
     episodes_per_batch: int = 32  # per data-parallel rank
     group_size: int = 1  # episodes of the same task in a batch (consecutive, one rank); algo.estimator=group needs >= 2
+    # k > 1: each task's execution prefix is played once and continued k times from its first compaction (k summaries
+    # of one context, each to its own reward; crl.collectors.CompactionCollector): episodes_per_batch / k contexts,
+    # minibatches of whole branch groups; the group estimator and algo.sibling_value_weight compare the k branches
+    branches: int = 1
+    # groups (train.branches or train.group_size) whose rewards all agree carry no signal between their members:
+    # train (as any episode) | drop (DAPO's dynamic sampling: kept in the evidence, left out of the update)
+    uniform_groups: str = "train"
     micro_batches: int = 2  # gradient-accumulation micro-batches per optimizer step (per rank)
     policy_epochs: int = 1
     policy_minibatches: int = 1
@@ -195,7 +209,11 @@ class TrainConfig:
     # updates, on a nearly converged policy, stay small (crl.training.update.PPOUpdate.set_learning_rates)
     lr_schedule: str = "constant"
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # the policy's gradient norm clip (its own tensors: with a shared trunk, not the value head)
+    critic_max_grad_norm: float = 1.0  # the critic's own tensors' clip (a separate critic, or the value head on a shared trunk)
+    # the policy's learning rate rises linearly over its first lr_warmup_steps optimizer steps (step s at (s + 1) / W of
+    # its rate): Adam's first steps move every coordinate by about the learning rate whatever the gradient; 0: none
+    lr_warmup_steps: int = 0
     seed: int = 0
     threads: int = 1  # torch threads per process
     # how long a collective waits for the other ranks before it raises (the process group's timeout, gloo and NCCL):
@@ -341,6 +359,8 @@ CHOICES = {
     "algo.estimator": ("gae", "group"),
     "algo.group_baseline": ("mean", "leave_one_out"),
     "algo.group_scale": ("none", "std"),
+    "algo.kl_to": ("behaviour", "reference"),
+    "train.uniform_groups": ("train", "drop"),
 }
 
 
@@ -513,8 +533,31 @@ def validate(cfg: Config) -> None:
     _need(t.policy_minibatches <= t.episodes_per_batch, "train.policy_minibatches", f"{t.policy_minibatches} minibatches cannot split {t.episodes_per_batch} episodes")
     _need(t.group_size >= 1 and t.episodes_per_batch % t.group_size == 0, "train.group_size",
           f"{t.group_size} must be >= 1 and divide train.episodes_per_batch={t.episodes_per_batch} (a rank's batch holds whole groups)")
+    _need(t.branches >= 1 and t.episodes_per_batch % t.branches == 0, "train.branches",
+          f"{t.branches} must be >= 1 and divide train.episodes_per_batch={t.episodes_per_batch} (a rank's batch holds whole branch groups)")
+    if t.branches > 1:
+        _need(t.group_size == 1, "train.group_size", f"train.branches={t.branches} already makes groups of one task's episodes (sharing a "
+              f"prefix): set train.group_size=1 (got {t.group_size})")
+        _need(e.name != "torchrl_chat", "train.branches", "env.name=torchrl_chat plays episodes through TorchRL's ChatEnv, which crl cannot fork: set train.branches=1")
+        _need(c.enabled and c.max_compactions >= 1, "train.branches", "branches part at the first compaction: needs compaction.enabled and max_compactions >= 1")
+        contexts = t.episodes_per_batch // t.branches
+        _need(t.policy_minibatches <= contexts, "train.policy_minibatches",
+              f"minibatches hold whole branch groups: {t.policy_minibatches} cannot split {contexts} contexts (episodes_per_batch / branches)")
+    _need(0.0 <= a.sibling_value_weight <= 1.0, "algo.sibling_value_weight", f"must be in [0, 1], got {a.sibling_value_weight}")
+    _need(a.sibling_value_weight == 0 or (t.branches >= 2 and a.estimator == "gae"), "algo.sibling_value_weight",
+          "mixes the siblings' returns into the critic's values: needs train.branches >= 2 and algo.estimator=gae")
+    _need(t.uniform_groups == "train" or t.branches >= 2 or t.group_size >= 2, "train.uniform_groups",
+          "drop leaves out groups whose rewards agree: needs train.branches >= 2 or train.group_size >= 2")
+    _need(a.kl_to == "behaviour" or a.kl_coef > 0, "algo.kl_to", f"reference sets what algo.kl_coef's penalty pulls toward: set algo.kl_coef > 0 (got {a.kl_coef})")
+    _need(a.kl_to == "behaviour" or cfg.model.lora.enabled, "algo.kl_to",
+          "reference is the policy as RL started, kept as a frozen LoRA adapter: needs model.lora.enabled=true")
+    _need(a.kl_to == "behaviour" or cfg.deepspeed.config is None, "algo.kl_to", "reference is not supported with DeepSpeed yet: set it to behaviour")
+    _need(t.lr_warmup_steps >= 0, "train.lr_warmup_steps", f"must be >= 0, got {t.lr_warmup_steps}")
+    _need(t.lr_warmup_steps == 0 or cfg.deepspeed.config is None, "train.lr_warmup_steps", "is not supported with DeepSpeed (its engine owns the step): set it to 0")
+    _need(t.max_grad_norm > 0 and t.critic_max_grad_norm > 0, "train.max_grad_norm/critic_max_grad_norm", "must be > 0")
     if a.estimator == "group":
-        _need(t.group_size >= 2, "train.group_size", f"algo.estimator=group compares episodes of one task: needs >= 2, got {t.group_size}")
+        _need(t.group_size >= 2 or t.branches >= 2, "train.group_size",
+              f"algo.estimator=group compares episodes of one task: needs train.group_size >= 2 or train.branches >= 2, got {t.group_size}")
         _need(t.critic_warmup_iterations == 0, "train.critic_warmup_iterations",
               f"algo.estimator=group has no critic to warm up: set it to 0 (got {t.critic_warmup_iterations})")
         _need(not cfg.model.share_critic_backbone, "model.share_critic_backbone", "algo.estimator=group builds no critic")

@@ -44,6 +44,7 @@ from crl.episode import EpisodeStatus, SegmentKind
 from crl.evaluation import evaluate_policy
 from crl.io import atomic_write_text
 from crl.objectives.distributed import all_reduce_sum
+from crl.objectives.functional import agreeing_groups
 from crl.run_dir import RunDirLock
 from crl.streams import resumed_episode_counter
 from crl.tracking import MetricLogger, plot_curves
@@ -205,10 +206,25 @@ class Trainer:
     def trainable(self, rollout: TensorDict) -> TensorDict:
         """The rows of ``rollout`` the learner trains on: every row, or (``train.failed_episodes=drop``, the default)
         all but those of FAILED episodes — an environment exception or step timeout is a failure of the
-        infrastructure, not of the policy. TRUNCATED episodes (context budget or step limit) are trained."""
-        if self.cfg.train.failed_episodes == "train":
-            return rollout
-        return rollout[rollout["status"] != int(EpisodeStatus.FAILED)]
+        infrastructure, not of the policy. TRUNCATED episodes (context budget or step limit) are trained.
+
+        Groups of one task's episodes (``train.branches`` or ``train.group_size`` > 1) whose rewards all agree, among the
+        episodes left, are counted (``self.group_counts``: ``[uniform groups, groups]`` of at least two episodes, this
+        rank's) and, with ``train.uniform_groups=drop``, left out too."""
+        t = self.cfg.train
+        if t.failed_episodes == "drop":
+            rollout = rollout[rollout["status"] != int(EpisodeStatus.FAILED)]
+        self.group_counts = None
+        if t.branches > 1 or t.group_size > 1:
+            group = rollout["branch_group"] if "branch_group" in rollout.keys() else rollout["group_id"]
+            uniform = agreeing_groups(rollout["reward"], group, rollout["rollout_id"])
+            members: dict[int, set] = {}
+            for g, r in zip(group.tolist(), rollout["rollout_id"].tolist()):
+                members.setdefault(g, set()).add(r)
+            self.group_counts = [len(set(group[uniform].tolist())), sum(len(m) >= 2 for m in members.values())]
+            if t.uniform_groups == "drop":
+                rollout = rollout[~uniform]
+        return rollout
 
     def compute_advantages(self, rollout: TensorDict, iteration: int | None = None) -> TensorDict:
         """The :meth:`trainable` rows of ``rollout``, copied, with the critic's ``state_value`` and the estimator's
@@ -331,6 +347,10 @@ class Trainer:
             "perf/iteration_s": time.perf_counter() - t0,
             "curriculum/stage": self.stage,
         }
+        if getattr(self, "group_counts", None) is not None:  # groups whose rewards all agree: no signal between their members
+            uniform, groups = all_reduce_sum(torch.tensor(self.group_counts, dtype=torch.int64, device=self.device)).tolist()
+            if groups:
+                log["train/uniform_groups_frac"] = uniform / groups
         if "prompt_tokens_reused" in self.collector.last_stats:  # the chat collector's per-episode prefix cache
             log["perf/prompt_tokens_reused"] = self.collector.last_stats["prompt_tokens_reused"]
         if not self.update_skipped:  # no update, no sync: no value (it repeated the previous iteration's)
@@ -340,7 +360,7 @@ class Trainer:
         log.update({names[k]: v for k, v in summary_channel_metrics(stats).items()})
         log.update(self.ppo.learner_metrics(batch))
         # every rank's micro-batches, not rank 0's alone
-        log.update(self.ppo.report.metrics(self.device, learner_tokens=log["perf/learner_tokens"], policy_epochs=self.cfg.train.policy_epochs))
+        log.update(self.ppo.report.metrics(self.device, learner_tokens=log["perf/learner_tokens"]))
         # the largest peak of any rank, and the smallest (with 2 ranks: the other rank's peak)
         log["perf/peak_memory_mb"], log["perf/peak_memory_mb_min_rank"] = max_min_over_ranks(peak_memory_mb(), self.device)
         return log
@@ -382,10 +402,11 @@ class Trainer:
                 t_learn = time.perf_counter()
                 batch = self.compute_advantages(rollout, it)
                 self.update_skipped = int(all_reduce_sum(torch.tensor(batch.batch_size[0], device=self.device))) == 0
-                if self.update_skipped:  # every episode of every rank failed: nothing to learn from (and nothing to sync)
+                if self.update_skipped:  # no trainable episode on any rank: nothing to learn from (and nothing to sync)
                     if self.is_main:
-                        tqdm.write(f"iteration {it + 1}: all {int(self.last_episode_stats['episodes'])} episodes failed "
-                                   f"(environment errors or timeouts; train.failed_episodes=drop): no update this iteration")
+                        why = ("failed (environment errors or timeouts; train.failed_episodes=drop)" if self.cfg.train.uniform_groups == "train"
+                               else "failed or are in groups whose rewards all agree (train.failed_episodes=drop, train.uniform_groups=drop)")
+                        tqdm.write(f"iteration {it + 1}: all {int(self.last_episode_stats['episodes'])} episodes {why}: no update this iteration")
                 else:
                     self.learn(batch, it)
                 self.ppo.report.learner_s = time.perf_counter() - t_learn

@@ -163,3 +163,17 @@ def test_a_rank_whose_episodes_all_failed_still_takes_part(tmp_path):
         assert [n["num_tokens"] for n in m["normalizers"]["critic"]] == [tokens, tokens]
     assert metrics(run)[-1]["episode/failed"] == 4 and metrics(run)[-1]["train/update_skipped"] == 0.0
     audit(run)
+
+
+@pytest.mark.parametrize("separate_losses", ["true", "false"])
+def test_a_shared_trunk_trains_on_two_ranks_through_its_critic_warm_up(tmp_path, separate_losses):
+    """DDP, 2 ranks, a value head on the policy's trunk (model.share_critic_backbone): the critic warm-up's steps reach
+    the value head alone (the trunk's features detached with algo.separate_losses; never the LM head), which DDP's
+    reducer refused ("Expected to have finished reduction ...") until the trainer asked it to look for unused
+    parameters; then policy iterations. Both ranks finish and the audit passes."""
+    run = tmp_path / "run"
+    launch(2, run, "train.iterations=2", "model.share_critic_backbone=true", f"algo.separate_losses={separate_losses}",
+           "train.critic_warmup_iterations=1", "train.policy_minibatches=2")
+    log = metrics(run)
+    assert [r["step"] for r in log if "policy/steps" in r] == [2] and log[-1]["policy/steps"] >= 1
+    audit(run)

@@ -126,7 +126,8 @@ def test_critic_coef_and_separate_losses_are_refused_without_a_shared_trunk():
 def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_micro_batch_of_each_policy_step(tmp_path):
     """Counted with forward/backward hooks on the causal LM: ``compute_advantages`` forwards each planned chunk once
     and records the behaviour entropies from that pass; each policy step makes one forward and one backward per
-    micro-batch; the critic's metrics come from the policy's steps."""
+    micro-batch (and the KL after the last step one no-grad forward of its micro-batches); the critic's metrics come
+    from the policy's steps."""
     from crl.trainer import Trainer
 
     cfg = load_config(ROOT / "configs" / "default.yaml", [
@@ -138,26 +139,28 @@ def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_m
     try:
         assert trainer.critic is trainer.actor and trainer.models.critic_opt is None
         rollout = trainer.collect()
-        calls = {"forward": 0, "backward": 0}
+        calls = {"forward": 0, "backward": 0, "no_grad": 0}
         last = trainer.lm.get_decoder().norm  # the trunk's last module: once per forward of the trunk, once per backward
-        h1 = last.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+        count = lambda *a: calls.__setitem__(*(("forward", calls["forward"] + 1) if torch.is_grad_enabled() else ("no_grad", calls["no_grad"] + 1)))
+        h1 = last.register_forward_hook(count)
         h2 = last.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
         try:
             batch = trainer.compute_advantages(rollout)
             chunks = len(trainer.actor.last_plan.chunks)
-            assert calls == {"forward": chunks, "backward": 0}
+            assert calls == {"forward": 0, "backward": 0, "no_grad": chunks}
             assert trainer.ppo.report.behaviour_entropy is not None  # from the values' pass
-            calls.update(forward=0)
+            calls.update(no_grad=0)
             trainer.update_policy(batch, 0)
         finally:
             h1.remove()
             h2.remove()
         mbs = 2 * 2  # policy_minibatches x micro_batches, each micro-batch one forward call per chunk of its plan
         assert calls["backward"] == calls["forward"] >= mbs
+        assert 2 <= calls["no_grad"] <= calls["forward"] // 2  # the last step's micro-batches again, without gradients
         report = trainer.ppo.report
         assert len(report.grad_norms["actor"]) == 2 and len(report.grad_norms["critic"]) == 2  # the head's, per policy step
         assert report.critic_passes == 0
-        logged = report.metrics(trainer.device, learner_tokens=1, policy_epochs=1)
+        logged = report.metrics(trainer.device, learner_tokens=1)
         assert {"critic/loss_critic", "critic/explained_variance", "policy/loss_objective"} <= set(logged)
         assert "policy/loss_critic" not in logged
     finally:
@@ -235,7 +238,8 @@ def test_values_from_the_policy_steps_own_forward_equal_a_values_pass_and_give_t
     gives the values (detached) for the estimator and the log-probs for the loss. Against the iteration with a values
     pass of its own from the same weights and batch (an independent path): the same values, advantages and targets in
     the batch (the evidence), the same loss and the same updated weights, to float32 rounding; and the trunk ran once
-    forward and once backward per micro-batch for the whole iteration."""
+    forward and once backward per micro-batch for the whole iteration (and once more without gradients: the KL after
+    the step)."""
     import copy
 
     trainer = _trainer(tmp_path)
@@ -249,9 +253,10 @@ def test_values_from_the_policy_steps_own_forward_equal_a_values_pass_and_give_t
             net.load_state_dict(start[0])
             trainer.models.actor_opt.load_state_dict(start[1])
             trainer.ppo.reset_report()
-            calls = {"forward": 0, "backward": 0}
+            calls = {"forward": 0, "backward": 0, "no_grad": 0}
             last = trainer.lm.get_decoder().norm
-            hooks = [last.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1)),
+            count = lambda *a: calls.__setitem__(*(("forward", calls["forward"] + 1) if torch.is_grad_enabled() else ("no_grad", calls["no_grad"] + 1)))
+            hooks = [last.register_forward_hook(count),
                      last.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))]
             try:
                 batch = trainer.compute_advantages(rollout.clone(), iteration)
@@ -262,7 +267,7 @@ def test_values_from_the_policy_steps_own_forward_equal_a_values_pass_and_give_t
             results[name] = (batch, {k: v.detach().clone() for k, v in net.state_dict().items()}, trainer.ppo.report, dict(calls))
         (b0, w0, r0, c0), (b1, w1, r1, c1) = results["values_pass"], results["in_step"]
         assert not r0.values_in_policy_step and r1.values_in_policy_step
-        assert c1["forward"] == c1["backward"] and c0["forward"] > c1["forward"]  # the values pass is gone
+        assert c1["forward"] == c1["backward"] and c0["no_grad"] > c1["no_grad"] > 0  # the values pass is gone; the KL's stays
         m = b0["loss_mask"]
         assert (b0["advantage"][m] != 0).any(), "every advantage 0: nothing compared"
         for key in ("state_value", "advantage", "value_target"):

@@ -1,7 +1,7 @@
-"""``algo.target_kl``: an iteration's policy steps stop once a step's approximate KL to the sampling policy exceeds
-``1.5 × target_kl`` (SB3's rule); that step is not applied. The KL each decision needs is recomputed here by hand
-(the actor's log-probabilities against the rows' ``sample_log_prob``, a plain masked sum) before the trainer's step
-decides, and the weights are compared before and after every step."""
+"""The KL of every policy step is measured after it, the last included, and ``algo.target_kl`` bounds the update: a step
+whose KL after it exceeds ``1.5 × target_kl`` is undone (weights and optimizer state restored) and the iteration's
+update ends. Every KL the trainer acts on is recomputed here by hand (the actor's log-probabilities against the rows'
+``sample_log_prob``, a plain masked sum), and the weights are compared with the ones the iteration started from."""
 import json
 from pathlib import Path
 
@@ -32,56 +32,87 @@ def hand_kl(trainer, mbs) -> float:
     return num / den
 
 
-def run(run_dir, target_kl):
-    trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TINY, f"algo.target_kl={target_kl}"]))
-    calls, step = [], trainer.ppo.optimizer_step
+def weights(trainer):
+    return [p.detach().clone() for p in trainer.lm.parameters()]
 
-    def recording(name, mbs, max_kl=None):
+
+def run(run_dir, target_kl, *overrides):
+    trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TINY, f"algo.target_kl={target_kl}", *overrides]))
+    events, step, measure, update = [], trainer.ppo.optimizer_step, trainer.ppo.measure_kl, trainer.ppo.update_policy
+
+    def recording_update(batch, iteration):
+        events.append({"start": weights(trainer)})
+        update(batch, iteration)
+        events.append({"end": weights(trainer)})
+
+    def recording_step(name, mbs, max_kl=None, **kw):
         if name != "actor":
-            return step(name, mbs)
-        kl = hand_kl(trainer, mbs)
-        before = [p.detach().clone() for p in trainer.lm.parameters()]
-        applied = step(name, mbs, max_kl=max_kl)
-        moved = any(not torch.equal(a, p) for a, p in zip(before, trainer.lm.parameters()))
-        calls.append({"kl": kl, "max_kl": max_kl, "applied": applied, "moved": moved})
+            return step(name, mbs, max_kl=max_kl, **kw)
+        kl = hand_kl(trainer, mbs)  # the weights before this step, on its rows
+        applied = step(name, mbs, max_kl=max_kl, **kw)
+        events.append({"step_kl": kl, "max_kl": max_kl, "applied": applied})
         return applied
 
-    trainer.ppo.optimizer_step = recording
+    def recording_measure(mbs, fraction):
+        kl = hand_kl(trainer, mbs)
+        got = measure(mbs, fraction)
+        assert got == pytest.approx(kl, rel=1e-4, abs=1e-9)
+        events.append({"measured": kl})
+        return got
+
+    trainer.ppo.optimizer_step, trainer.ppo.measure_kl, trainer.ppo.update_policy = recording_step, recording_measure, recording_update
     trainer.fit()
     logged = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return calls, [r for r in logged if "policy/steps" in r]
+    iterations, current = [], None
+    for e in events:
+        if "start" in e:
+            current = {"start": e["start"], "steps": [], "measured": []}
+            iterations.append(current)
+        elif "end" in e:
+            current["end"] = e["end"]
+        elif "measured" in e:
+            current["measured"].append(e["measured"])
+        else:
+            current["steps"].append(e)
+    return iterations, [r for r in logged if "policy/steps" in r]
 
 
-def test_a_step_above_the_bound_is_dropped_and_ends_the_iteration(tmp_path):
-    calls, logged = run(tmp_path / "tight", 1e-9)
-    per_iter, current = [], None
-    for c in calls:  # the first step of an iteration is the one without a bound
-        if c["max_kl"] is None:
-            current = []
-            per_iter.append(current)
-        current.append(c)
-    assert len(per_iter) == 2
-    for steps in per_iter:
-        first, *rest = steps
-        assert first["applied"] and first["moved"]
-        assert first["kl"] < 1e-6  # the sampling weights: ratio 1 up to float noise
-        assert rest, "the bound was never consulted"
-        for c in rest:
-            assert c["max_kl"] == pytest.approx(1.5e-9)
-            assert c["applied"] == (c["kl"] <= c["max_kl"]) and c["applied"] == c["moved"]
-        assert not rest[-1]["applied"] and all(c["applied"] for c in rest[:-1])  # nothing after a dropped step
-    assert [r["policy/steps"] for r in logged] == [sum(c["applied"] for c in s) for s in per_iter]
-    assert [r["policy/kl_stop"] for r in logged] == [1.0, 1.0]
-    for it in range(2):  # the evidence lists the applied steps only (scripts/audit.py's grad_norms check)
-        norms = json.loads((tmp_path / "tight" / "evidence" / f"iter_{it:06d}" / "rank_0" / "grad_norms.json").read_text())
-        assert len(norms["actor"]) == logged[it]["policy/steps"]
+def test_every_step_kl_is_measured_after_it_and_the_last_included(tmp_path):
+    iterations, logged = run(tmp_path / "loose", 1e6)
+    assert len(iterations) == 2
+    for it, record in zip(iterations, logged):
+        assert [s["applied"] for s in it["steps"]] == [True] * 4
+        assert it["steps"][0]["step_kl"] < 1e-6  # the sampling weights: ratio 1 up to float noise
+        after = [s["step_kl"] for s in it["steps"][1:]] + it["measured"]  # after step i: step i+1's forward, then the last's own
+        assert len(it["measured"]) == 1 and it["measured"][0] > 0
+        assert record["policy/approx_kl"] == pytest.approx(sum(after) / len(after), rel=1e-4)
+        assert record["policy/kl_final"] == pytest.approx(it["measured"][0], rel=1e-4)
+        assert (record["policy/steps"], record["policy/kl_stop"]) == (4.0, 0.0)
 
 
-def test_a_loose_bound_changes_nothing(tmp_path):
-    calls, logged = run(tmp_path / "loose", 1e6)
-    assert all(c["applied"] and c["moved"] for c in calls) and len(calls) == 8
-    assert [(r["policy/steps"], r["policy/kl_stop"]) for r in logged] == [(4.0, 0.0), (4.0, 0.0)]
-    assert max(c["kl"] for c in calls) > 0  # the bound had something to compare
+def test_a_step_past_the_bound_is_undone_and_ends_the_update(tmp_path):
+    """A bound no step can meet: the first step is applied, the second step's forward measures the first one's KL past
+    the bound, so the first is undone and the second dropped: the iteration ends on the weights it started from."""
+    iterations, logged = run(tmp_path / "tight", 1e-9)
+    for it, record in zip(iterations, logged):
+        first, second = it["steps"][:2]
+        assert first["applied"] and first["max_kl"] is None
+        assert second["max_kl"] == pytest.approx(1.5e-9) and second["step_kl"] > 1.5e-9 and not second["applied"]
+        assert len(it["steps"]) == 2 and not it["measured"]
+        assert all(torch.equal(a, b) for a, b in zip(it["start"], it["end"]))
+        assert (record["policy/steps"], record["policy/kl_stop"], record["policy/kl_final"]) == (0.0, 1.0, 0.0)
+    for i in range(2):  # the evidence lists the kept steps only (scripts/audit.py's grad_norms check)
+        norms = json.loads((tmp_path / "tight" / "evidence" / f"iter_{i:06d}" / "rank_0" / "grad_norms.json").read_text())
+        assert norms["actor"] == []
+
+
+def test_the_last_step_is_bounded_too(tmp_path):
+    """One step an iteration: its KL is only known from a forward after it, which undoes it past the bound."""
+    iterations, logged = run(tmp_path / "one", 1e-9, "train.policy_minibatches=1")
+    for it, record in zip(iterations, logged):
+        assert [s["applied"] for s in it["steps"]] == [True] and it["measured"][0] > 1.5e-9
+        assert all(torch.equal(a, b) for a, b in zip(it["start"], it["end"]))
+        assert (record["policy/steps"], record["policy/kl_stop"]) == (0.0, 1.0)
 
 
 def test_target_kl_must_be_positive_and_not_under_deepspeed():

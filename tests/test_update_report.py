@@ -123,18 +123,19 @@ def test_the_trainer_logs_the_same_step_in_1_or_4_micro_batches(tmp_path):
 
 def test_the_logged_metrics_follow_from_the_record():
     """One process: means over the micro-batches (NaN left out), policy steps, grad norms, entropy per optimized token
-    of each kind, learner throughput (passes: the values, the entropy pass, 2 critic steps, 3 policy epochs; a shared
-    trunk's critic entries, the value head's norms per policy step, are no passes of their own: ``critic_passes``)."""
+    of each kind, learner throughput (passes: the values, the entropy pass, 2 critic steps, the policy's forwards, 3.25
+    passes of minibatches; a shared trunk's critic entries, the value head's norms per policy step, are no passes of
+    their own: ``critic_passes``)."""
     report = UpdateReport(grad_norms={"actor": [1.0, 3.0], "critic": [0.5, 0.5]}, behaviour_entropy={"execution": [6.0, 4], "summary": [0.0, 0]},
-                          entropy_pass=True, policy_steps=2, kl_stop=True, learner_s=2.0, critic_passes=2)
+                          entropy_pass=True, policy_steps=2, kl_stop=True, kl_final=2.5e-3, learner_s=2.0, critic_passes=2, policy_forwards=3.25)
     report.policy.approx_kl += [1e-3, 3e-3]
     report.critic.explained_variance += [0.5, math.nan]
-    got = report.metrics("cpu", learner_tokens=100.0, policy_epochs=3)
+    got = report.metrics("cpu", learner_tokens=100.0)
     assert got == {"policy/approx_kl": pytest.approx(2e-3), "critic/explained_variance": 0.5, "policy/steps": 2.0, "policy/kl_stop": 1.0,
-                   "grad_norm/actor": 2.0, "grad_norm/critic": 0.5, "policy/entropy_execution": 1.5,
-                   "perf/learner_tokens_per_s": (1 + 1 + 2 + 3) * 100.0 / 2.0}
+                   "policy/kl_final": 2.5e-3, "grad_norm/actor": 2.0, "grad_norm/critic": 0.5, "policy/entropy_execution": 1.5,
+                   "perf/learner_tokens_per_s": (1 + 1 + 2 + 3.25) * 100.0 / 2.0}
     # a critic warm-up iteration: no policy step, no actor grad norm, no summary token: none of their keys
-    assert set(UpdateReport().metrics("cpu", learner_tokens=1.0, policy_epochs=1)) == set()
+    assert set(UpdateReport().metrics("cpu", learner_tokens=1.0)) == set()
 
 
 def _whole_batch_ev(batch) -> float:

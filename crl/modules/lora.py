@@ -27,12 +27,14 @@ initialised, ``B`` ``[d_out, r]`` zero, so the adapted model starts as the pretr
 """
 from __future__ import annotations
 
+import contextlib
+
 import copy
 
 from torch import nn
 
 __all__ = ["apply_lora", "is_lora", "merged_state_dict", "merged_differences", "trainable_state_dict", "MergedAdapters", "FrozenAdapterLM",
-           "FROZEN_ADAPTER", "ADAPTER_DIR", "save_adapter", "load_adapter_"]
+           "FROZEN_ADAPTER", "ADAPTER_DIR", "save_adapter", "load_adapter_", "frozen_adapter_weights"]
 
 ADAPTER_DIR = "policy_adapter"  # inside a checkpoint, beside policy/ (the merged model)
 
@@ -305,3 +307,25 @@ def copy_adapter_(lm: nn.Module, source: str, target: str) -> None:
         for name, p in params.items():
             if f".{source}." in name and ("lora_A" in name or "lora_B" in name):
                 params[name.replace(f".{source}.", f".{target}.")].copy_(p)
+
+
+@contextlib.contextmanager
+def frozen_adapter_weights(lm: nn.Module):
+    """Within the block, the policy's own adapter holds the frozen adapter's tensors (the policy as RL started,
+    :class:`FrozenAdapterLM`), so every forward of the policy's model, through whatever path the learner uses (prefix
+    sharing, the head on needed positions), is the reference policy's; its own tensors are put back on exit, bit for bit.
+    The algo.kl_to=reference penalty's reference log-probs (crl.training.update). No gradient is taken inside."""
+    import torch
+
+    if FROZEN_ADAPTER not in lm.peft_config:
+        raise ValueError("no frozen adapter: build FrozenAdapterLM(lm) as RL starts (crl.training.models does with algo.kl_to=reference)")
+    own = {name: p.detach().clone() for name, p in lm.named_parameters() if ".default." in name and ("lora_A" in name or "lora_B" in name)}
+    copy_adapter_(lm, FROZEN_ADAPTER, "default")
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        params = dict(lm.named_parameters())
+        with torch.no_grad():
+            for name, saved in own.items():
+                params[name].copy_(saved)

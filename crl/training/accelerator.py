@@ -34,7 +34,7 @@ def make_accelerator(cfg: Config):
     Returns ``(accelerator, deepspeed_config_or_None)``.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     check_elastic_store()
     ds_file = cfg.deepspeed.config
@@ -47,7 +47,12 @@ def make_accelerator(cfg: Config):
     # the process group's timeout (gloo and NCCL, DeepSpeed's init_distributed too): a lost machine ends the run
     timeout = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))]
     if ds_file is None:
-        return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=timeout), None
+        handlers = list(timeout)
+        if cfg.model.share_critic_backbone:
+            # one network for policy and value: a critic warm-up step reaches the value head alone (the trunk's features
+            # detached with algo.separate_losses, the LM head never), which DDP's reducer refuses unless told to look
+            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+        return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 else "no", kwargs_handlers=handlers), None
     ds = json.loads(Path(ds_file).read_text())
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two below and the world size
     ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of segments per backward

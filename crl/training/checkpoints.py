@@ -404,7 +404,7 @@ class RunCheckpoints:
         meta = {
             "estimator": ({"name": "gae", "gamma": a.gamma, "alpha": a.alpha, "lmbda": a.lmbda, "lambda_length": a.lambda_length,
                            "cross_trajectory": a.cross_trajectory, "value_target": a.value_target,
-                           "boundary": a.boundary, "whiten": a.whiten_advantage} if use_critic else
+                           "boundary": a.boundary, "whiten": a.whiten_advantage, "sibling_value_weight": a.sibling_value_weight} if use_critic else
                           {"name": "group", "group_baseline": a.group_baseline, "group_scale": a.group_scale}),
             "world_size": self.world,
             "checkpoint": str(checkpoint_dir(self.run_dir, iteration).relative_to(self.run_dir)),
@@ -414,6 +414,7 @@ class RunCheckpoints:
             "critic_warmup": iteration < self.cfg.train.critic_warmup_iterations,
             "frozen_summary": a.frozen_summary,
             "failed_episodes": self.cfg.train.failed_episodes,
+            "uniform_groups": self.cfg.train.uniform_groups,
             "update_skipped": update_skipped,
         }
         write_evidence(self.run_dir, iteration, self.rank, rollout, batch.exclude("log_prob", "entropy"), report.grad_norms, meta)

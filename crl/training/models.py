@@ -19,8 +19,8 @@ from crl.config import Config, ConfigValidationError
 from crl.io import atomic_torch_save
 from crl.run_dir import RunDirError
 from crl.learner import PrefixSharedForward, enable_gradient_checkpointing
-from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, is_lora, load_adapter_, load_trainable_, merged_differences,
-                              merged_state_dict, save_adapter, trainable_state_dict)
+from crl.modules.lora import (ADAPTER_DIR, FrozenAdapterLM, apply_lora, frozen_adapter_weights, is_lora, load_adapter_, load_trainable_,
+                              merged_differences, merged_state_dict, save_adapter, trainable_state_dict)
 from crl.modules.networks import MODEL_IN_KEYS, CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm
 from crl.modules.zero3 import copy_parameters_, zero3_init
 from crl.training.accelerator import deepspeed_stage, optimizer_layout
@@ -78,6 +78,8 @@ class LearnerModels:
             for net in filter(None, (actor_net, critic_net)):
                 enable_gradient_checkpointing(net)
         self.frozen_lm = self._frozen_summariser() if cfg.algo.frozen_summary else None
+        if cfg.algo.kl_to == "reference":  # the reference policy: the adapter as RL starts, frozen (saved with the policy's)
+            FrozenAdapterLM(self.lm)
         critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay) if critic_net is not None else None
         self.critic_model = self.critic_opt = None
         if self.use_ds:  # two engines from one DeepSpeed JSON (docs/design.md §9)
@@ -95,6 +97,8 @@ class LearnerModels:
         actor_out = ["log_prob", "entropy"] + (["state_value"] if self.shared_trunk else [])
         if L.prefix_sharing:  # each token computed once: crl/learner.py
             shared = dict(max_padding=L.max_padding, max_chunk_tokens=L.max_chunk_tokens)
+            if cfg.train.branches > 1:  # the rows of a branch group share their prefix: run once (crl/learner.py)
+                shared.update(branch_group_key="branch_group", branch_start_key="branch_start")
             # log-probs and entropies are read at optimized tokens only: the LM head runs there alone
             self.actor = PrefixSharedForward(self.actor_model, actor_out, needed_key="loss_mask", **shared)
             if self.critic_model is not None:
@@ -121,6 +125,11 @@ class LearnerModels:
         frozen = AutoModelForCausalLM.from_config(self.lm.config).to(self.device)
         copy_parameters_(frozen, self.lm)
         return frozen.eval().requires_grad_(False)
+
+    def reference_policy(self):
+        """A context in which the policy's forwards are the reference policy's (``algo.kl_to=reference``: the frozen
+        adapter, :func:`crl.modules.lora.frozen_adapter_weights`)."""
+        return frozen_adapter_weights(self.lm)
 
     def trained(self) -> list[tuple[str, object, object]]:
         """``[("actor", engine/module, optimizer), ("critic", ...)]``: the models with an optimizer."""

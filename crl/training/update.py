@@ -9,6 +9,7 @@ into the evidence.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -126,20 +127,27 @@ class UpdateReport:
     entropy_pass: bool = False
     policy_steps: int | None = None
     kl_stop: bool | None = None
+    kl_final: float | None = None
     learner_s: float | None = None
     critic_passes: int = 0
+    policy_forwards: float = 0.0
+    reference_pass: bool = False
     values_in_policy_step: bool = False
 
-    def metrics(self, device, *, learner_tokens: float, policy_epochs: int) -> dict[str, float]:
+    def metrics(self, device, *, learner_tokens: float) -> dict[str, float]:
         """The logged metrics, the same on every rank (every rank calls it: collectives): each loss metric's mean over
-        the iteration's optimizer steps and ranks (``policy/*``, ``critic/*``; each step's value over its whole step), ``policy/steps``, ``policy/kl_stop``,
-        ``grad_norm/{actor,critic}`` (this rank's mean), ``policy/entropy_{execution,summary}`` (nats per optimized
-        token, over ranks) and ``perf/learner_tokens_per_s`` (``learner_tokens``: positions of one pass over the batch;
-        passes: the values, the entropy pass, each critic step, each of ``policy_epochs``)."""
+        the iteration's optimizer steps and ranks (``policy/*``, ``critic/*``; each step's value over its whole step;
+        ``policy/approx_kl`` the mean of the KLs measured after each policy step), ``policy/steps``, ``policy/kl_stop``,
+        ``policy/kl_final`` (the KL of the weights the update ends with), ``grad_norm/{actor,critic}`` (this rank's mean:
+        the policy's own tensors, the critic's own), ``policy/entropy_{execution,summary}`` (nats per optimized token,
+        over ranks) and ``perf/learner_tokens_per_s`` (``learner_tokens``: positions of one pass over the batch; passes:
+        the values, the entropy pass, each critic step, the policy's forwards, dropped and KL-measuring ones included,
+        each a fraction of a pass)."""
         log = mean_over_ranks({**self.policy.logged("policy/"), **self.critic.logged("critic/")}, device)
         if self.policy_steps is not None:
             log["policy/steps"] = float(self.policy_steps)
             log["policy/kl_stop"] = float(self.kl_stop)
+            log["policy/kl_final"] = float(self.kl_final)
         for name in ("actor", "critic"):
             if self.grad_norms[name]:
                 log[f"grad_norm/{name}"] = float(np.mean(self.grad_norms[name]))
@@ -148,9 +156,8 @@ class UpdateReport:
         for i, kind in enumerate(("execution", "summary")):
             if sums[2 * i + 1] > 0:  # no optimized token of the kind (frozen summaries, a skipped update): no value
                 log[f"policy/entropy_{kind}"] = float(sums[2 * i] / sums[2 * i + 1])
-        if self.learner_s is not None:
-            passes = (int(not self.values_in_policy_step) + int(self.entropy_pass) + self.critic_passes
-                      + (policy_epochs if self.grad_norms["actor"] else 0))
+        if self.learner_s is not None:  # passes over the batch: values, entropies, critic steps, the policy's forwards
+            passes = int(not self.values_in_policy_step) + int(self.entropy_pass) + int(self.reference_pass) + self.critic_passes + self.policy_forwards
             log["perf/learner_tokens_per_s"] = passes * learner_tokens / max(self.learner_s, 1e-9)
         return log
 
@@ -166,7 +173,7 @@ class PPOUpdate:
         if models.use_critic:
             self.estimator = CrossTrajectoryGAE(
                 gamma=a.gamma, alpha=a.alpha, lmbda=a.lmbda, lambda_length=a.lambda_length, cross_trajectory=a.cross_trajectory,
-                value_target=a.value_target, boundary=a.boundary, whiten=a.whiten_advantage,
+                value_target=a.value_target, boundary=a.boundary, whiten=a.whiten_advantage, sibling_value_weight=a.sibling_value_weight,
             )
         else:
             self.estimator = GroupRelativeAdvantage(baseline=a.group_baseline, scale=a.group_scale)
@@ -174,9 +181,13 @@ class PPOUpdate:
         # a shared trunk (models.shared_trunk): the policy loss carries the value loss, weighted algo.critic_coef, through
         # the one network's one forward and backward; the critic loss alone serves the critic warm-up's steps
         joint = models.critic if models.shared_trunk else None
-        self.policy_loss = CompactionPPOLoss(models.actor, joint, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, critic_coeff=a.critic_coef,
-                                             clip_value=a.clip_value if joint is not None else None, **ppo_kwargs)
-        self.critic_loss = CompactionPPOLoss(None, models.critic, clip_value=a.clip_value, **ppo_kwargs) if models.critic is not None else None
+        self.policy_loss = CompactionPPOLoss(models.actor, joint, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, kl_to=a.kl_to,
+                                             critic_coeff=a.critic_coef, clip_value=a.clip_value if joint is not None else None, **ppo_kwargs)
+        # a shared trunk's critic steps (the warm-up) weigh the value loss as its policy steps do: critic/loss_critic means one thing
+        self.critic_loss = (CompactionPPOLoss(None, models.critic, clip_value=a.clip_value, critic_coeff=a.critic_coef if models.shared_trunk else 1.0,
+                                              **ppo_kwargs) if models.critic is not None else None)
+        self.rates = {"actor": cfg.train.actor_lr, "critic": cfg.train.critic_lr}  # the iteration's (set_learning_rates)
+        self.last_step_kl = float("nan")
         self.reset_report()
 
     def reset_report(self) -> None:
@@ -204,6 +215,7 @@ class PPOUpdate:
 
         ``in_policy_step`` (only where :attr:`values_from_policy_step`): no pass here; the three keys are zeros that the
         iteration's policy step fills in from its own forward (``report.values_in_policy_step``)."""
+        self.record_reference(batch)
         if in_policy_step:
             if not self.values_from_policy_step:
                 raise ValueError("advantages(in_policy_step=True) needs PPOUpdate.values_from_policy_step (a shared trunk, one policy step, "
@@ -226,6 +238,18 @@ class PPOUpdate:
             self.record_entropy(batch, out["entropy"][:S])
         self.models.release_gathered()
         return self.estimator(batch)
+
+    def record_reference(self, batch: TensorDict) -> None:
+        """With ``algo.kl_to=reference``: ``batch["ref_log_prob"]`` ``[S, T]``, the reference policy's log-prob of every
+        optimized token (the policy as RL started: :meth:`crl.training.models.LearnerModels.reference_policy`), one no-grad
+        pass through the learner's own forward; the KL penalty pulls toward it. Every rank calls it (collectives)."""
+        if self.cfg.algo.kl_to != "reference":
+            return
+        S = batch.batch_size[0]
+        with self.models.reference_policy():
+            out = self.models.actor(batch.select(*self.models.actor.in_keys).clone())
+        batch["ref_log_prob"] = out["log_prob"][:S].detach() * batch["loss_mask"]
+        self.report.reference_pass = True
 
     def split(self, td: TensorDict, plan=None) -> list[TensorDict]:
         """Exactly ``train.micro_batches`` micro-batches (the same count on every rank, as DeepSpeed needs).
@@ -291,6 +315,7 @@ class PPOUpdate:
         t = self.cfg.train
         frac = self.schedule_fraction(t.lr_schedule, iteration)
         rates = {"actor": t.actor_lr * frac, "critic": t.critic_lr * frac}
+        self.rates = rates
         for name, opt in (("actor", self.models.actor_opt), ("critic", self.models.critic_opt)):
             if opt is not None:  # (a DeepSpeed engine's optimizer exposes the same param_groups)
                 for group in opt.param_groups:  # a shared trunk's one optimizer: the value head's group is the critic's
@@ -306,39 +331,105 @@ class PPOUpdate:
         return self.policy_loss.entropy_coeff
 
     def update_policy(self, batch: TensorDict, iteration: int) -> None:
-        """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole rollouts (seeded order).
+        """``policy_epochs`` passes over the batch, each in ``policy_minibatches`` steps of whole units (seeded order): a
+        unit is a rollout, or with ``train.branches`` > 1 a branch group (its rows share a prefix the learner runs once).
 
-        With ``algo.target_kl``: before each step after the iteration's first, its forward's approximate KL to the
-        sampling policy, ``KL̂ = Σ_t [(ρ_t - 1) - log ρ_t] / n`` over the step's optimized tokens on every rank
-        (Schulman's k3 estimator; ρ_t the new/old probability ratio; nats per token), is compared with
-        ``1.5 × target_kl``: above it the step is not applied and the iteration's policy update ends there (SB3's
-        ``target_kl``). The first step starts from the sampling weights (KL̂ = 0 up to float noise) and is always
-        applied. Logged: ``policy/steps`` (steps applied), ``policy/kl_stop`` (1 when stopped)."""
+        The KL of each step is measured after it: by the next step's forward (its rows at the weights the step left)
+        and, after the last, by a no-grad forward over the last step's rows (:meth:`measure_kl`): ``KL̂ = Σ_t [(ρ_t - 1) -
+        log ρ_t] / n`` over the optimized tokens on every rank (Schulman's k3; ρ_t the new/old probability ratio; nats
+        per token). ``policy/approx_kl`` is their mean, ``policy/kl_final`` the KL of the weights the update ends with.
+        With ``algo.target_kl``, a step whose KL after it exceeds ``1.5 × target_kl`` is undone (its weights and optimizer
+        state before it restored, :meth:`snapshot` / :meth:`restore`) and the iteration's update ends there, so the
+        update's KL is bounded; the step after it (whose forward measured the excess) is not applied. Logged:
+        ``policy/steps`` (steps kept), ``policy/kl_stop`` (1 when stopped)."""
         t = self.cfg.train
+        limit = None if self.cfg.algo.target_kl is None else 1.5 * self.cfg.algo.target_kl
+        self.report.policy_forwards = 0.0
         if self.report.values_in_policy_step:  # one step over the whole batch, its values from its own forward
             rows = self.split_rows(batch)
             mbs = [batch[torch.tensor(r, dtype=torch.long)] if r else placeholder_row(batch) for r in rows]
+            before = self.snapshot() if limit is not None else None
             self.optimizer_step("actor", mbs, fill=(batch, rows))
             self.end_pass()
-            self.report.policy_steps, self.report.kl_stop = 1, False
-            self.models.release_gathered()
+            kl = self.measure_kl(mbs, 1.0)
+            kept = not (limit is not None and kl > limit)
+            if not kept:
+                self.restore(before)
+            self.finish_policy_update(steps=int(kept), stopped=not kept, kls=[kl], final=kl if kept else 0.0)
             return
-        rollouts = batch["rollout_id"].unique()
+        units = batch["branch_group"] if "branch_group" in batch.keys() else batch["rollout_id"]
+        ids = units.unique()
         order = torch.Generator().manual_seed(t.seed * 7919 + iteration)  # once per iteration: each epoch a new order
-        chunks = [chunk for _ in range(t.policy_epochs)
-                  for chunk in rollouts[torch.randperm(len(rollouts), generator=order)].tensor_split(t.policy_minibatches)]
-        steps, stopped = 0, False
+        chunks = [chunk for _ in range(t.policy_epochs) for chunk in ids[torch.randperm(len(ids), generator=order)].tensor_split(t.policy_minibatches)]
+        steps, stopped, kls, before, mbs = 0, False, [], None, None
         for i, chunk in enumerate(chunks):
-            max_kl = None if steps == 0 or self.cfg.algo.target_kl is None else 1.5 * self.cfg.algo.target_kl
-            if not self.optimizer_step("actor", self.split(batch[torch.isin(batch["rollout_id"], chunk)]), max_kl=max_kl):
-                stopped = True
+            mbs = self.split(batch[torch.isin(units, chunk)])
+            snap = self.snapshot() if limit is not None else None
+            applied = self.optimizer_step("actor", mbs, max_kl=limit if steps else None)
+            if steps:  # this step's forward ran at the weights the previous step left: its KL is that step's
+                kls.append(self.last_step_kl)
+            if not applied:  # the previous step went past the bound: undone, and the update ends
+                self.restore(before)
+                steps, stopped = steps - 1, True
                 break
+            before = snap
             steps += 1
             if (i + 1) % t.policy_minibatches == 0:  # an epoch's last minibatch: the pass over the batch ends
                 self.end_pass()
         self.end_pass()  # a pass the KL stop cut short: over the steps it saw, the dropped one included
+        final = kls[-1] if stopped and len(kls) > 1 else 0.0  # stopped: the weights are those after the step before the undone one
+        if not stopped and steps:
+            kl = self.measure_kl(mbs, 1.0 / t.policy_minibatches)
+            kls.append(kl)
+            final = kl
+            if limit is not None and kl > limit:  # the last step went past the bound: undone
+                self.restore(before)
+                steps, stopped = steps - 1, True
+                final = kls[-2] if len(kls) > 1 else 0.0
+        self.finish_policy_update(steps=steps, stopped=stopped, kls=kls, final=final)
+
+    def finish_policy_update(self, *, steps: int, stopped: bool, kls: list[float], final: float) -> None:
+        """Record the update's outcome: steps kept, whether the KL bound stopped it, the KL after each step and at the end."""
         self.report.policy_steps, self.report.kl_stop = steps, stopped
+        self.report.policy.approx_kl.extend(kls)
+        self.report.kl_final = final
         self.models.release_gathered()
+
+    def measure_kl(self, mbs: list[TensorDict], fraction: float) -> float:
+        """The approximate KL (k3, nats per optimized token, over every rank) of the policy as it is now to the sampling
+        policy on the rows of ``mbs`` (``fraction`` of the batch): one no-grad forward through the policy loss (its
+        ``approx_kl`` and token count)."""
+        norm = self.policy_loss.normalizer(mbs, dp_gradient_average=self.world > 1)
+        with torch.no_grad():
+            outs = [self.policy_loss(mb, normalizer=norm) for mb in mbs]
+        self.report.policy_forwards += fraction
+        return step_metrics(outs, self.device)["approx_kl"]
+
+    def trainable_policy(self) -> tuple[list[torch.nn.Parameter], object]:
+        """The parameters a policy step moves (every trainable tensor of the policy's model, the value head included
+        under a shared trunk: its step moves both) and the optimizer that moves them."""
+        return [p for p in self.models.actor_model.parameters() if p.requires_grad], self.models.actor_opt
+
+    def snapshot(self) -> dict:
+        """The policy's trainable weights and its optimizer's state, to undo a step (:meth:`restore`): a LoRA adapter and
+        its Adam moments are a few tens of MB."""
+        params, opt = self.trainable_policy()
+        return {"params": [p.detach().clone() for p in params], "optimizer": copy.deepcopy(opt.state_dict())}
+
+    def restore(self, snap: dict | None) -> None:
+        """Put back what :meth:`snapshot` took; the step's grad norm and normalizer leave the report (they describe a
+        step that no longer exists: the evidence lists kept steps)."""
+        if snap is None:
+            return
+        params, opt = self.trainable_policy()
+        with torch.no_grad():
+            for p, saved in zip(params, snap["params"]):
+                p.copy_(saved)
+        opt.load_state_dict(snap["optimizer"])
+        self.report.grad_norms["actor"].pop()
+        self.report.normalizers["actor"].pop()
+        if self.models.shared_trunk:  # the value head's norm, listed by the same step
+            self.report.grad_norms["critic"].pop()
 
     @property
     def entropy_from_policy_loss(self) -> bool:
@@ -392,26 +483,48 @@ class PPOUpdate:
         return self.policy_loss(mb, normalizer=normalizer, outputs=nets)
 
     def optimizer_step(self, name: str, mbs: list[TensorDict], max_kl: float | None = None, fill=None) -> bool:
-        """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`):
-        backward per micro-batch, clip, step. Returns whether the step was applied: with ``max_kl`` (the actor,
-        no DeepSpeed), a step whose token-weighted ``approx_kl`` over all micro-batches and ranks exceeds it is
-        dropped (gradients zeroed, no grad norm listed; its loss metrics are still logged).
+        """One optimizer step of ``name`` ("actor" / "critic") on the micro-batches ``mbs`` (:meth:`split`), in named parts:
+        :meth:`backward` (every micro-batch, the step's metrics), the KL check, :meth:`clip_and_step` (each network's own
+        clip, the learning-rate warm-up, the step). Returns whether the step was applied: with ``max_kl`` (the actor, no
+        DeepSpeed), a step whose forward's token-weighted ``approx_kl`` (every micro-batch and rank: the KL of the weights
+        as they are before this step) exceeds it is dropped (gradients zeroed, nothing listed but its loss metrics).
 
         Every micro-batch's loss is its masked *sum* divided by the step's global token count (all micro-batches,
         all ranks), so the gradient does not depend on how the batch is split. Records the pre-clipping grad
-        norm, the normalizer (evidence) and the loss module's metrics in ``self.report``.
+        norms, the normalizer (evidence) and the loss module's metrics in ``self.report``.
 
         ``fill``: ``(batch, rows)``, the step's values come from its own forward (:meth:`fused_step_loss`; ``rows[i]``:
         the rows of ``batch`` in ``mbs[i]``).
         """
-        report = self.report
-        shared = self.models.shared_trunk  # one network and one optimizer for both losses
-        loss_module, model, opt, metrics = {
-            "actor": (self.policy_loss, self.models.actor_model, self.models.actor_opt, report.policy),
-            "critic": (self.critic_loss, self.models.actor_model if shared else self.models.critic_model,
-                       self.models.actor_opt if shared else self.models.critic_opt, report.critic),
-        }[name]
+        loss_module, model, opt, _ = self.step_parts(name)
         norm = loss_module.normalizer(mbs, dp_gradient_average=self.world > 1)
+        step = self.backward(name, mbs, norm, fill)
+        if max_kl is not None and step["approx_kl"] > max_kl:  # every rank's token mean (step_metrics); NaN (no token) applies
+            opt.zero_grad(set_to_none=True)
+            return False
+        self.clip_and_step(name)
+        report = self.report
+        if name == "critic":
+            report.critic_passes += 1
+        report.normalizers[name].append(dataclasses.asdict(norm))
+        return True
+
+    def step_parts(self, name: str):
+        """``(loss module, model, optimizer, metrics)`` of a step of ``name``: a shared trunk's critic step runs the one
+        network and its one optimizer (whose value-head group alone it moves: :meth:`clip_and_step`)."""
+        shared = self.models.shared_trunk
+        return {
+            "actor": (self.policy_loss, self.models.actor_model, self.models.actor_opt, self.report.policy),
+            "critic": (self.critic_loss, self.models.actor_model if shared else self.models.critic_model,
+                       self.models.actor_opt if shared else self.models.critic_opt, self.report.critic),
+        }[name]
+
+    def backward(self, name: str, mbs: list[TensorDict], norm, fill=None) -> dict:
+        """Forward and backward of every micro-batch (DeepSpeed steps at its accumulation boundary inside); the step's
+        metrics (:func:`step_metrics`) into the report, the value loss's under the critic's name. Returns them, the
+        policy's ``approx_kl`` included (``self.last_step_kl``: the KL of the weights this forward ran)."""
+        report, shared = self.report, self.models.shared_trunk
+        loss_module, model, _, metrics = self.step_parts(name)
         outs = []
         for i, mb in enumerate(mbs):
             out = loss_module(mb, normalizer=norm) if fill is None else self.fused_step_loss(mb, norm, fill[0], fill[1][i])
@@ -422,39 +535,91 @@ class PPOUpdate:
             else:
                 self.accelerator.backward(loss)
             outs.append(out)
+        if name == "actor":
+            report.policy_forwards += 1.0 if fill is not None else 1.0 / self.cfg.train.policy_minibatches
         critic_metrics = report.critic if name == "critic" or shared else None  # where this step's value loss is logged
-        step = step_metrics(outs, self.device)  # a dropped step's metrics too: its approx_kl is why it was dropped
+        step = step_metrics(outs, self.device)  # a dropped step's metrics too
+        logged = dict(step)
+        if name == "actor":  # the KL of the weights before this step: the previous step's, recorded by update_policy
+            self.last_step_kl = logged.pop("approx_kl", float("nan"))
         if name == "actor" and shared:  # the value loss's metrics are the critic's (critic/loss_critic, critic/explained_variance)
-            report.critic.add({k: v for k, v in step.items() if k in CRITIC_METRICS})
-            step = {k: v for k, v in step.items() if k not in CRITIC_METRICS}
-        metrics.add(step)
+            report.critic.add({k: v for k, v in logged.items() if k in CRITIC_METRICS})
+            logged = {k: v for k, v in logged.items() if k not in CRITIC_METRICS}
+        metrics.add(logged)
         if critic_metrics is not None and all("sum_ev_moments" in o.keys() for o in outs):
             # the value loss's moments over the step's micro-batches and ranks, pooled until the pass over the batch ends
             pooled = all_reduce_sum(torch.stack([torch.cat([o["sum_ev_moments"].to(torch.float64).cpu(),
                                                             torch.tensor([float(o["num_tokens"])], dtype=torch.float64)]) for o in outs]).sum(0).to(self.device))
             self.ev_moments = pooled if self.ev_moments is None else self.ev_moments + pooled
-        if max_kl is not None and step["approx_kl"] > max_kl:  # every rank's token mean (step_metrics); NaN (no token) applies
-            opt.zero_grad(set_to_none=True)
-            return False
-        head_norm = None
-        if name == "actor" and shared:  # the critic's own tensors' gradient (the value head's, before clipping): its entry
-            head = self.accelerator.unwrap_model(model).value_head
-            head_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in head.parameters() if p.grad is not None])))
-        if self.models.use_ds:
-            gn = model.get_global_grad_norm()
-            gn = float(gn) if gn is not None else float("nan")
-        else:
-            gn = float(self.accelerator.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if head_norm is not None:
-            report.grad_norms["critic"].append(head_norm)
-        if name == "critic":
-            report.critic_passes += 1
         if name == "actor" and report.behaviour_entropy is None and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
             # the iteration's first policy step: every row, forwarded with the weights that sampled it
             report.behaviour_entropy = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
-                              for kind in ("execution", "summary")}
-        report.grad_norms[name].append(gn)
-        report.normalizers[name].append(dataclasses.asdict(norm))
-        return True
+                                        for kind in ("execution", "summary")}
+        return step
+
+    def clip_and_step(self, name: str) -> None:
+        """Clip each network's own gradient and apply the step; list the pre-clipping norms.
+
+        The policy's tensors are clipped to ``train.max_grad_norm`` and the critic's own (a separate critic, or the value
+        head on a shared trunk) to ``train.critic_max_grad_norm``, each on its own: a value head's gradient (tens, where
+        the policy's is below 1) never sets the policy step's scale. ``grad_norm/actor`` is the policy's norm,
+        ``grad_norm/critic`` the critic's. A shared trunk's critic step (the critic warm-up) moves the value head
+        alone: the trunk's gradient is dropped, so the policy does not move before its first policy step. The policy's
+        learning rate follows the warm-up (:meth:`warmup_factor`). Under DeepSpeed the engine has stepped and clipped
+        (``gradient_clipping``): its global norm is listed."""
+        report = self.report
+        _, model, opt, _ = self.step_parts(name)
+        if self.models.use_ds:
+            gn = model.get_global_grad_norm()
+            report.grad_norms[name].append(float(gn) if gn is not None else float("nan"))
+            return
+        t = self.cfg.train
+        if self.models.shared_trunk:
+            groups = {g.get("role", "actor"): [p for p in g["params"]] for g in opt.param_groups}
+            policy, head = groups.get("actor", []), groups.get("critic", [])
+            if name == "critic":
+                for p in policy:  # the warm-up trains the value head only: the policy stays as it sampled
+                    p.grad = None
+                report.grad_norms["critic"].append(self.clip_(head, t.critic_max_grad_norm))
+            else:
+                report.grad_norms["actor"].append(self.clip_(policy, t.max_grad_norm))
+                report.grad_norms["critic"].append(self.clip_(head, t.critic_max_grad_norm))
+        else:
+            limit = t.max_grad_norm if name == "actor" else t.critic_max_grad_norm
+            report.grad_norms[name].append(float(self.accelerator.clip_grad_norm_(model.parameters(), limit)))
+        if name == "actor" or not self.models.shared_trunk:
+            self.apply_warmup(opt, name)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def clip_(self, params: list, max_norm: float) -> float:
+        """Clip the gradients of ``params`` (after DDP's all-reduce: the same on every rank) to ``max_norm`` together;
+        the norm before clipping (0 when none has a gradient)."""
+        grads = [p for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+
+    def warmup_factor(self, opt) -> float:
+        """``min(1, (s + 1) / train.lr_warmup_steps)`` for the policy's optimizer step ``s`` (0-based, counted by Adam's own
+        state: a resumed run continues the warm-up where it was); 1 without a warm-up."""
+        W = self.cfg.train.lr_warmup_steps
+        if W <= 0:
+            return 1.0
+        for group in opt.param_groups:
+            if group.get("role", "actor") != "actor":
+                continue
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                if "step" in state:
+                    return min(1.0, (int(state["step"]) + 1) / W)
+        return min(1.0, 1 / W)
+
+    def apply_warmup(self, opt, name: str) -> None:
+        """Set the policy groups' learning rate to the iteration's (:meth:`set_learning_rates`) times :meth:`warmup_factor`."""
+        if name != "actor" or self.cfg.train.lr_warmup_steps <= 0:
+            return
+        factor = self.warmup_factor(opt)
+        for group in opt.param_groups:
+            if group.get("role", "actor") == "actor":
+                group["lr"] = self.rates["actor"] * factor
