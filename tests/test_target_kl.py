@@ -106,6 +106,30 @@ def test_a_step_past_the_bound_is_undone_and_ends_the_update(tmp_path):
         assert norms["actor"] == []
 
 
+def test_a_bound_between_two_steps_keeps_the_first_and_ends_on_its_weights(tmp_path):
+    """The bound set between the KL after an iteration's first step and after its second (read off a loose run, the
+    same seeds: the same trajectory up to there): the second is undone, the first kept, and the update ends with the
+    first step's KL and weights."""
+    loose, _ = run(tmp_path / "loose", 1e6, "train.iterations=1")
+    first = loose[0]["steps"][1]["step_kl"]  # after step 1 (step 2's forward)
+    second = loose[0]["steps"][2]["step_kl"]  # after step 2
+    assert second > first > 0
+    bound = (first + second) / 2 / 1.5
+    iterations, logged = run(tmp_path / "mid", bound, "train.iterations=1")
+    it, record = iterations[0], logged[0]
+    assert [s["applied"] for s in it["steps"]] == [True, True, False]
+    assert (record["policy/steps"], record["policy/kl_stop"]) == (1.0, 1.0)
+    assert record["policy/kl_final"] == pytest.approx(first, rel=1e-4)
+    with_one = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={tmp_path / 'one_step'}", *TINY, "train.iterations=1"]))
+    try:  # the first step alone, from the same start: the weights the bounded update ends with
+        batch = with_one.compute_advantages(with_one.collect())
+        chunks = batch["rollout_id"].unique()[torch.randperm(4, generator=torch.Generator().manual_seed(0))].tensor_split(4)
+        with_one.ppo.optimizer_step("actor", with_one.ppo.split(batch[torch.isin(batch["rollout_id"], chunks[0])]))
+        assert all(torch.equal(a, b) for a, b in zip(it["end"], weights(with_one)))
+    finally:
+        with_one.close()
+
+
 def test_the_last_step_is_bounded_too(tmp_path):
     """One step an iteration: its KL is only known from a forward after it, which undoes it past the bound."""
     iterations, logged = run(tmp_path / "one", 1e-9, "train.policy_minibatches=1")

@@ -377,7 +377,7 @@ class PPOUpdate:
             if (i + 1) % t.policy_minibatches == 0:  # an epoch's last minibatch: the pass over the batch ends
                 self.end_pass()
         self.end_pass()  # a pass the KL stop cut short: over the steps it saw, the dropped one included
-        final = kls[-1] if stopped and len(kls) > 1 else 0.0  # stopped: the weights are those after the step before the undone one
+        final = kls[-2] if stopped and len(kls) > 1 else 0.0  # stopped: the weights are those after the step before the undone one
         if not stopped and steps:
             kl = self.measure_kl(mbs, 1.0 / t.policy_minibatches)
             kls.append(kl)
