@@ -95,3 +95,34 @@ def verl_config(**algorithm):
 @pytest.fixture
 def episodes():
     return make_episodes(0)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_model(path):
+    """A byte-level tokenizer (every byte one token, lossless; ChatML template, <|im_end|> its end of turn) and a
+    randomly initialised 1-layer Llama, saved as a local Hugging Face checkpoint: nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                                         pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_llama")))
