@@ -102,6 +102,9 @@ class CompactionPPOTrainer(PPOTrainerSync):
                     f"algorithm.adv_estimator={ESTIMATOR_NAME} needs the critic's values, and verl builds a critic only "
                     "for its own gae unless told: set critic.enable=True"
                 )
+            if config.algorithm.get("use_pf_ppo", False):
+                raise ValueError(f"algorithm.use_pf_ppo reweights verl's own gae batches; {ESTIMATOR_NAME} does not support it: "
+                                 "set algorithm.use_pf_ppo=False")
             resolve_options(config.algorithm)  # every option checked now, not at the first advantage step
         super().__init__(config)
 

@@ -63,13 +63,19 @@ def build_loop(tiny_model, server, **overrides):
     return loop, entry
 
 
-def play(tiny_model, index=3, seed=0, **overrides):
-    from transformers import AutoTokenizer
-
+def example_env_module():
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("memory_env_example", ROOT / "integrations/verl/examples/memory_env.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def play(tiny_model, index=3, seed=0, **overrides):
+    from transformers import AutoTokenizer
+
+    mod = example_env_module()
     task = mod.SUITE.tasks("train")[index]
     script = ["next"] * (task.n_items + 1) + [f"submit {task.answer}"]
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -182,3 +188,31 @@ def test_bad_configs_fail_naming_the_fix(tiny_model):
         build_loop(tiny_model, server, env_factory=None)
     with pytest.raises(InstantiationException, match="ConfigError.*rollout.prompt_length"):
         build_loop(tiny_model, server, context_capacity=5000)
+
+
+def test_the_example_dataset_feeds_the_loop_through_verls_rlhf_dataset(tiny_model, tmp_path):
+    """examples/make_memory_dataset.py -> verl's own RLHFDataset row -> the agent loop: the row's fields reach
+    make_env (its extra_info.index picks the task) and the episode is crl's."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    subprocess.run([sys.executable, str(ROOT / "integrations/verl/examples/make_memory_dataset.py"), str(tmp_path)], check=True,
+                   capture_output=True)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    cfg = verl_config()
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    ds = RLHFDataset(str(tmp_path / "train.parquet"), tok, cfg.data)
+    row = dict(ds[5], uid="p5", session_id=0)
+    assert row["extra_info"]["index"] == 5 and row["raw_prompt"][0]["role"] == "user"
+    mod = example_env_module()
+    task = mod.SUITE.tasks("train")[5]
+    server = ScriptedServer(tok, ChatFormat(tok).summary_request_ids(), ["next"] * (task.n_items + 1) + [f"submit {task.answer}"])
+    loop, entry = build_loop(tiny_model, server)
+    outputs = asyncio.run(loop.run({"temperature": 1.0}, **row))
+    want, status, reward = reference_segments(server, entry, mod, tok, row)
+    assert reward == 1.0 and outputs[0].reward_score == 1.0
+    same_segments(segments_from_outputs(outputs), want)

@@ -112,6 +112,10 @@ def test_wrong_setups_fail_naming_the_fix():
     with pytest.raises(EstimatorOptionError, match="algorithm.compaction_gae.value_target"):
         hook.CompactionPPOTrainer(verl_config(value_target="global"))
     cfg = verl_config()
+    cfg.algorithm.use_pf_ppo = True
+    with pytest.raises(ValueError, match="algorithm.use_pf_ppo=False"):
+        hook.CompactionPPOTrainer(cfg)
+    cfg = verl_config()
     cfg.trainer.v1.trainer_mode = "colocate_async"
     with pytest.raises(ValueError, match="synchronous"):
         hook.CompactionPPOTrainer(cfg)
