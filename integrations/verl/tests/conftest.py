@@ -92,6 +92,30 @@ def verl_config(**algorithm):
     return cfg
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the session, with no GPU: 2 logical CPUs (TransferQueue's controller and one storage unit
+    each reserve one)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def transfer_queue(ray_cluster):
+    """verl's TransferQueue (SimpleStorage, one unit) on the session's Ray."""
+    import transfer_queue as tq
+
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    try:
+        yield tq
+    finally:
+        tq.close()
+
+
 @pytest.fixture
 def episodes():
     return make_episodes(0)

@@ -107,7 +107,7 @@ def test_wrong_setups_fail_naming_the_fix():
         hook.check_verl_version("0.9.2")
     cfg = verl_config()
     cfg.critic.enable = None
-    with pytest.raises(ValueError, match="critic.enable=True"):
+    with pytest.raises(ValueError, match="critic.enable=True"), pytest.warns(UserWarning, match="Disabled critic"):
         hook.CompactionPPOTrainer(cfg)
     with pytest.raises(EstimatorOptionError, match="algorithm.compaction_gae.value_target"):
         hook.CompactionPPOTrainer(verl_config(value_target="global"))
@@ -124,24 +124,6 @@ def test_wrong_setups_fail_naming_the_fix():
 # ------------------------------------------------------------------------------------------------------------------
 # the hook itself, through TransferQueue
 # ------------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def transfer_queue():
-    """A local Ray (2 logical CPUs: TransferQueue's controller and one storage unit each reserve one) and TransferQueue."""
-    ray = pytest.importorskip("ray")
-    import transfer_queue as tq
-    from omegaconf import OmegaConf
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-        yield tq
-    finally:
-        try:
-            tq.close()
-        finally:
-            ray.shutdown()
 
 
 def put_rows(tq, rows, keys, partition="train"):

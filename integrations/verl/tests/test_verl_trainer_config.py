@@ -43,19 +43,12 @@ def test_gpu_step_config_composes_validates_and_builds_the_trainer(tiny_model, t
     assert entry.context_capacity <= rollout.prompt_length + rollout.response_length
 
 
-def test_a_cpu_ray_cluster_has_no_gpu_for_verls_resource_pool():
+def test_a_cpu_ray_cluster_has_no_gpu_for_verls_resource_pool(ray_cluster):
     """The first thing a full step needs that this machine lacks: verl's ResourcePoolManager counts Ray's GPUs."""
-    pytest.importorskip("ray")
-    import ray
-
     from verl.single_controller.ray import ResourcePoolManager
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        if ray.cluster_resources().get("GPU", 0) > 0:
-            pytest.skip("this machine has a GPU: run integrations/verl/scripts/gpu_trainer_step.sh instead")
-        mgr = ResourcePoolManager(resource_pool_spec={"global_pool": [1]}, mapping={})
-        with pytest.raises(ValueError, match="Total available GPUs 0 is less than total desired GPUs 1"):
-            mgr._check_resource_available()
-    finally:
-        ray.shutdown()
+    if ray_cluster.cluster_resources().get("GPU", 0) > 0:
+        pytest.skip("this machine has a GPU: run integrations/verl/scripts/gpu_trainer_step.sh instead")
+    mgr = ResourcePoolManager(resource_pool_spec={"global_pool": [1]}, mapping={})
+    with pytest.raises(ValueError, match="Total available GPUs 0 is less than total desired GPUs 1"):
+        mgr._check_resource_available()
