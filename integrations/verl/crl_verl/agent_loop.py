@@ -59,7 +59,8 @@ def outputs_from_segments(
     with_logprobs: bool = True,
     metrics: AgentLoopMetrics | None = None,
 ) -> list[AgentLoopOutput]:
-    """One ``AgentLoopOutput`` per crl segment, in order (module docstring). A segment must hold a sampled token."""
+    """One ``AgentLoopOutput`` per crl segment, in order (module docstring). A segment must hold a sampled token;
+    ``metrics`` (the episode's timings) go on the last output only."""
     outputs = []
     for i, seg in enumerate(segments):
         first = next((t for t, p in enumerate(seg.provenance) if p in SAMPLED_PROVENANCE), None)
@@ -74,7 +75,8 @@ def outputs_from_segments(
             reward_score=float(reward),
             num_turns=sum(1 for t in range(first, len(seg)) if seg.provenance[t] in SAMPLED_PROVENANCE
                           and seg.provenance[t - 1] not in SAMPLED_PROVENANCE),
-            metrics=metrics if metrics is not None else AgentLoopMetrics(),
+            # the episode's timings once (on its last segment), so verl's per-output sums do not count them k times
+            metrics=metrics if metrics is not None and i == len(segments) - 1 else AgentLoopMetrics(),
             extra_fields={
                 "crl_rollout": rollout,
                 "crl_segment_index": i,
@@ -182,8 +184,7 @@ class CompactionAgentLoop(AgentLoopBase):
             keep_recent=int(keep_recent), max_summary_tokens=int(max_summary_tokens), keep_task_prompt=bool(keep_task_prompt),
             forced_steps=tuple(int(s) for s in forced_steps), max_steps=None if max_steps is None else int(max_steps),
         )
-        self.engine = CompactionEngine(self.compaction, fmt.encode if hasattr(fmt, "encode") else None, eos_id=self.stop_id,
-                                       prompt_format=fmt)
+        self.engine = CompactionEngine(self.compaction, fmt.encode, eos_id=self.stop_id, prompt_format=fmt)
         self.max_action_tokens = None if max_action_tokens is None else int(max_action_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -263,13 +263,13 @@ def compaction_gae(
     rid, n_after, rollout_length = rollout_layout(rollout, segment_index, mask)
     scores = token_level_scores if token_level_scores is not None else token_level_rewards
     reward = scores.sum(-1)
-    first = torch.full((int(rid.max()) + 1,), -1, dtype=torch.int64, device=rid.device)
-    first = first.scatter_reduce(0, rid, torch.arange(len(rid), device=rid.device), reduce="amax", include_self=True)
-    differ = reward != reward[first[rid]]
+    ref = torch.full((int(rid.max()) + 1,), -1, dtype=torch.int64, device=rid.device)  # one row of each rollout
+    ref = ref.scatter_reduce(0, rid, torch.arange(len(rid), device=rid.device), reduce="amax", include_self=True)
+    differ = reward != reward[ref[rid]]
     if differ.any():
         b = int(differ.nonzero()[0, 0])
         raise CompactionGAEInputError(
-            f"the rows of rollout {rollout[b]!r} carry different rewards ({float(reward[b])} and {float(reward[first[rid[b]]])}); "
+            f"the rows of rollout {rollout[b]!r} carry different rewards ({float(reward[b])} and {float(reward[ref[rid[b]]])}); "
             f"{ESTIMATOR_NAME} needs the rollout's terminal reward on every segment (verl v1 copies the final output's "
             "reward_score to every output of an agent loop)"
         )

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 TRAINER_NAME = "compaction_sync"  # trainer.v1.trainer_mode
 SUPPORTED_VERL_VERSIONS = ("0.9.1",)
-# TransferQueue fields the advantage step reads (verl 0.9.1's list) and the one it needs besides.
+# TransferQueue fields the advantage step reads: verl 0.9.1's own list (it already fetches the critic's values).
 ADVANTAGE_FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
 
 
