@@ -10,7 +10,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.crl-installed
 VLLM_STAMP := $(VENV)/.crl-vllm-installed
 
-.PHONY: setup vllm test test-quick train train-lm clean
+# crl inside verl (integrations/verl, docs/verl.md): its own venv, because verl 0.9.1 pins tensordict<=0.10.0 and
+# transformers<5.11 against crl's tensordict 0.14 / transformers>=5.16. crl goes in with --no-deps (its torch-only core
+# is what crl_verl imports; its pins are for crl's trainer), then crl-verl with verl and its declared dependencies.
+VERL_VENV  ?= .venv-verl
+VERL_PY    := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.crl-verl-installed
+
+.PHONY: setup vllm verl test test-quick test-verl train train-lm clean
 
 # Tool code runs sandboxed in bubblewrap (crl/sandbox.py): installed here when missing and we can (root, apt-get);
 # otherwise a warning, and only tools.sandbox: none (no isolation) runs tool code.
@@ -39,11 +46,26 @@ $(VLLM_STAMP): $(STAMP) scripts/install_vllm.py
 	$(PY) scripts/install_vllm.py
 	touch $(VLLM_STAMP)
 
+verl: $(VERL_STAMP)
+
+$(VERL_STAMP): integrations/verl/pyproject.toml pyproject.toml
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -c "import torch" 2>/dev/null || $(VERL_PY) -m pip install "$(TORCH)"
+	$(VERL_PY) -m pip install -e "integrations/verl[test]"
+	$(VERL_PY) -m pip install --no-deps -e .
+	$(VERL_PY) -c "import crl_verl; crl_verl.check_environment()"
+	touch $(VERL_STAMP)
+
+# The verl plugin's tests, in its own venv (a minute or two on 2 cores; `make test` runs them after the main suite).
+test-verl: verl
+	OMP_NUM_THREADS=1 $(VERL_PY) -m pytest -q integrations/verl/tests --durations=10
+
 # pytest-xdist: one worker per core (at most 4), the `processes` tests one at a time on one of them (tests/conftest.py);
 # --durations=25: the 25 slowest tests, where the suite's time goes.
 PYTEST_WORKERS ?= auto
-test: setup vllm
+test: setup vllm verl
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadgroup --durations=25
+	OMP_NUM_THREADS=1 $(VERL_PY) -m pytest -q integrations/verl/tests --durations=10
 
 # The edit-test loop (under 3 minutes on 2 cores): everything but the multi-process, vLLM, real-model and slow tests.
 test-quick: setup
@@ -62,4 +84,4 @@ train-lm: setup $(LM_CKPT)/config.json
 	$(PY) scripts/train.py --config configs/lm_lora/joint.yaml
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VERL_VENV)

@@ -8,11 +8,17 @@
 #      gradient norms, measured on CPU)
 #      on MODEL (a local checkpoint dir, e.g. from scripts/import_checkpoint.py; default: the llama-small preset)
 #   3. scripts/audit.py on that run
+#   4. with VERL=1 only: one full verl 0.9.1 training step with crl's compaction_gae (crl_verl's trainer hook, critic
+#      and compacting agent loop; integrations/verl/scripts/gpu_trainer_step.sh) on VERL_MODEL (a local Hugging Face
+#      checkpoint with a chat template; default checkpoints/smollm2-135m-instruct). Its first run builds
+#      .venv-verl-gpu with verl[vllm]==0.9.1 (CUDA torch 2.11, vLLM 0.24: a large download). Never run yet
+#      (docs/verl.md says what a CPU machine lacks for it).
 # One PASS/FAIL line per step and a summary line; exit status 0 only when every step passed.
 #
 #   scripts/gpu_check.sh [MODEL] [CONFIG]        # CONFIG default: configs/default.yaml (configs/smollm2_records.yaml
 #                                                # for the real model once prompt.format is wired)
-# Env: PYTHON (default .venv/bin/python, else python), RUN_DIR (default runs/gpu_check), KEEP_LOGS=1.
+# Env: PYTHON (default .venv/bin/python, else python), RUN_DIR (default runs/gpu_check), KEEP_LOGS=1, VERL=1 (step 4),
+#      VERL_MODEL, VERL_GPU_VENV.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
@@ -56,6 +62,11 @@ step train_3_iterations 300 "$ACCEL" launch --config_file configs/accelerate/gpu
   checkpoint.every=3 checkpoint.evidence_every=3 logging.progress=false
 
 step audit 120 "$PY" scripts/audit.py "$RUN_DIR"
+
+if [ "${VERL:-0}" = 1 ]; then
+  step verl_trainer_step 1800 integrations/verl/scripts/gpu_trainer_step.sh \
+    "${VERL_MODEL:-checkpoints/smollm2-135m-instruct}" "$RUN_DIR-verl"
+fi
 
 echo "---"
 for r in "${RESULTS[@]}"; do echo "$r"; done
