@@ -407,26 +407,24 @@ def test_each_launch_records_the_code_that_trains_the_run(tmp_path):
     assert s.run_code(tmp_path / "nowhere") == {"commit": "unknown", "dirty": "unknown", "launches": []}
 
 
-def test_carry_takes_a_row_only_when_its_hashes_are_those_of_the_committed_run_files(tmp_path):
-    """With ``export`` (where finished runs are committed), ``--carry`` takes a report's row only when the SHA-256 it
-    recorded of the run's config, audit and final evaluation are those of the files committed at HEAD under
-    ``export/NAME/``, and its audit verdict and final evaluation are those files' own. A row whose hash differs, a row
-    without hashes, a file not committed, or numbers edited in the report stop the sweep with one line naming the file."""
+def committed_run(tmp_path, *recipe):
+    """A sweep with ``export`` (a git repository where one finished run's files are committed: its config, written with
+    the sweep's overrides plus ``recipe``, an audit and a final evaluation) and the report row of that run, its hashes
+    those of the committed files. Returns ``(sweep, job, row, git, kept)``; ``carry(sweep, row)`` carries it."""
     from crl.config import load_config, to_yaml
     from crl.io import sha256_file
 
     repo, out = tmp_path / "repo", tmp_path / "out"
     git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
-    repo.mkdir()
+    repo.mkdir(parents=True)
     git("init", "-q")
-    report = tmp_path / "report.json"
     s = sweep.Sweep({"default": ROOT / "configs" / "default.yaml"}, [0], out, overrides=sweep.QUICK, final_episodes=8, final_split="test",
-                    carry=report, export=repo / "kept")
+                    carry=tmp_path / "report.json", export=repo / "kept")
     job = ("default", 0, "default")
     s.cfgs = s.check_configs()
     kept = repo / "kept" / s.run_name(*job)
     kept.mkdir(parents=True)
-    (kept / "config.yaml").write_text(to_yaml(load_config(s.arms["default"], s.run_overrides(job))))
+    (kept / "config.yaml").write_text(to_yaml(load_config(s.arms["default"], [*s.run_overrides(job), *recipe])))
     (kept / "audit.json").write_text(json.dumps({"verdict": "PASS"}))
     evaluation = {"run_dir": "x", "split": "test", "episodes": 8, "tasks": 60, "success": 0.25, "successes": 2, "stderr": 0.15, "iteration": 2,
                   "wall_s": 1.0, "summary": {"episodes_judged": 8, "holds": 3, "success_not_holds": 0}}
@@ -436,36 +434,59 @@ def test_carry_takes_a_row_only_when_its_hashes_are_those_of_the_committed_run_f
     row = {"name": s.run_name(*job), "arm": "default", "seed": 0, "kernel": "default", "config": "configs/default.yaml",
            "overrides": [*s.extra_overrides("default", 0), *s.overrides], "final_iteration": 2, "audit": "PASS",
            "final_eval": sweep.final_eval_record(evaluation), "files_sha256": {f: sha256_file(kept / f) for f in s.evidence_files()}}
+    return s, job, row, git, kept
+
+
+def carry(s, row):
+    s.carry.write_text(json.dumps({"runs": [row]}))
+    return s.carry_rows()
+
+
+def refused(s, row) -> str:
+    """The one line a refused carry stops the sweep with."""
+    with pytest.raises(SystemExit) as err:
+        carry(s, row)
+    msg = str(err.value)
+    assert "\n" not in msg and "default seed 0" in msg, msg
+    return msg
+
+
+def test_carry_takes_a_row_only_when_its_hashes_are_those_of_the_committed_run_files(tmp_path):
+    """With ``export`` (where finished runs are committed), ``--carry`` takes a report's row only when the SHA-256 it
+    recorded of the run's config, audit and final evaluation are those of the files committed at HEAD under
+    ``export/NAME/``, and its audit verdict and final evaluation are those files' own. A row whose hash differs, a row
+    without hashes, a file not committed, or numbers edited in the report stop the sweep with one line naming the file."""
+    s, job, row, git, kept = committed_run(tmp_path)
     assert set(row["files_sha256"]) == {"config.yaml", "audit.json", "eval_test_8.json"}
-
-    def carry(r):
-        report.write_text(json.dumps({"runs": [r]}))
-        return s.carry_rows()
-
-    assert carry(row)[job]["final_eval"] == row["final_eval"]  # the committed files' own row: carried
-
-    def refused(r) -> str:
-        with pytest.raises(SystemExit) as err:
-            carry(r)
-        msg = str(err.value)
-        assert "\n" not in msg and "default seed 0" in msg, msg
-        return msg
+    assert carry(s, row)[job]["final_eval"] == row["final_eval"]  # the committed files' own row: carried
 
     other = dict(row, files_sha256={**row["files_sha256"], "audit.json": "0" * 64})
-    msg = refused(other)
+    msg = refused(s, other)
     assert str(kept / "audit.json") in msg and "0000000000000000" in msg and "not the committed run's" in msg
-    msg = refused({k: v for k, v in row.items() if k != "files_sha256"})  # written before hashes were kept
+    msg = refused(s, {k: v for k, v in row.items() if k != "files_sha256"})  # written before hashes were kept
     assert "no SHA-256 of its config.yaml" in msg
-    msg = refused(dict(row, final_eval={**row["final_eval"], "successes": 3}))  # numbers edited in the report, hashes kept
+    msg = refused(s, dict(row, final_eval={**row["final_eval"], "successes": 3}))  # numbers edited in the report, hashes kept
     assert str(kept / "eval_test_8.json") in msg
-    msg = refused(dict(row, audit="FAIL"))
+    msg = refused(s, dict(row, audit="FAIL"))
     assert str(kept / "audit.json") in msg
     # the working tree's copy edited after the commit: the committed bytes are what counts (the row still matches them)
     (kept / "audit.json").write_text(json.dumps({"verdict": "FAIL"}))
-    assert job in carry(row)
+    assert job in carry(s, row)
     git("rm", "-q", "kept/default_seed0_default/eval_test_8.json")
     git("commit", "-qm", "the evaluation removed")
-    assert "eval_test_8.json is not committed at HEAD" in refused(row)
+    assert "eval_test_8.json is not committed at HEAD" in refused(s, row)
+
+
+def test_carry_refuses_a_committed_run_of_another_recipe(tmp_path):
+    """The committed run's files and the report's row agree (every hash matches), but its ``config.yaml`` is not the
+    recipe the sweep would launch now (the base config changed after the export): its row is refused, naming each
+    differing key with both values. Where the files sit (``run_dir``) is not part of the recipe."""
+    s, job, row, _, kept = committed_run(tmp_path, "train.actor_lr=0.0003", "algo.entropy_coef=0.02")
+    msg = refused(s, row)
+    assert str(kept / "config.yaml") in msg and "another recipe" in msg, msg
+    assert "train.actor_lr: 0.0003 -> 0.0001" in msg and "algo.entropy_coef: 0.02 -> 0.01" in msg and "run_dir" not in msg, msg
+    s, job, row, _, _ = committed_run(tmp_path / "moved", "run_dir=/elsewhere/run")  # the same recipe written elsewhere: carried
+    assert job in carry(s, row)
 
 
 def test_final_evaluations_run_one_at_a_time(tmp_path, monkeypatch):

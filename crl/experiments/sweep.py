@@ -44,8 +44,10 @@ audited runs of an earlier report (same config file, overrides and final evaluat
 directory here (:meth:`Sweep.carry_rows`): for a study whose run directories were lost with a machine. With ``export``
 (a directory in the repository where each finished run's files are committed: ``scripts/lm_study.py --export``), a
 row is carried only when the SHA-256 it recorded of the run's ``config.yaml``, ``audit.json`` and final evaluation
-(``files_sha256``) are those of the files committed at ``HEAD`` under ``export/NAME/``, and its audit verdict and
-final evaluation are theirs (:meth:`Sweep.check_committed`); anything else stops it with one line naming the file.
+(``files_sha256``) are those of the files committed at ``HEAD`` under ``export/NAME/``, its audit verdict and final
+evaluation are theirs, and the committed ``config.yaml`` is the config the sweep would launch now (a changed base
+config is another recipe: :meth:`Sweep.check_committed`); anything else stops it with one line naming the file (and
+the differing keys).
 
 **Same settings or nothing.** A run directory is reused (finished, resumed or reported) only when its
 ``config.yaml`` equals the config the sweep would launch now, every key but where things are written
@@ -389,14 +391,20 @@ class Sweep:
         the trainer) differs from the one the sweep would launch, :data:`LOCATION_KEYS` aside; a key the saved config
         lacks counts as its default (:func:`crl.run_dir.config_diff`). [] when nothing was saved."""
         saved = self.run_dir(job) / "config.yaml"
-        if not saved.is_file():
-            return []
+        return self.recipe_changes(job, saved.read_bytes()) if saved.is_file() else []
+
+    def recipe_changes(self, job, saved: bytes) -> list[str]:
+        """``["key: saved -> now", ...]``: how a run's saved ``config.yaml`` (its bytes) differs from the config the sweep
+        would launch for ``job``, :data:`LOCATION_KEYS` aside; a key the saved config lacks counts as its default
+        (:func:`crl.run_dir.config_diff`). A file that does not parse is a difference too, never a silent match."""
         from omegaconf import OmegaConf
 
         try:
-            stored = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
-        except Exception as err:  # a torn or foreign file is a difference too, never a silent reuse
+            stored = OmegaConf.to_container(OmegaConf.create(saved.decode()), resolve=True)
+        except Exception as err:  # a torn or foreign file
             return [f"config.yaml unreadable ({type(err).__name__}: {err})"]
+        if not isinstance(stored, dict):
+            return [f"config.yaml holds a {type(stored).__name__}, not a config"]
         now = to_dict(load_config(self.arms[job[0]], self.run_overrides(job)))
         return config_diff(stored, now, ignore=LOCATION_KEYS, defaults=to_dict(Config()))
 
@@ -461,8 +469,9 @@ class Sweep:
     def check_committed(self, job, row: dict) -> None:
         """With ``export`` (where finished runs are committed): a carried row is taken only when the SHA-256 of each of
         its :meth:`evidence_files` it recorded (``files_sha256``) is that of the file committed at ``HEAD`` under
-        ``export/NAME/``, and its audit verdict and final evaluation are those files' own; else the sweep stops with
-        one line naming the file."""
+        ``export/NAME/``, its audit verdict and final evaluation are those files' own, and the committed ``config.yaml``
+        is the recipe the sweep would launch now (:meth:`recipe_changes`: matching hashes say the row is the committed
+        run's, not that the run is this sweep's); else the sweep stops with one line naming the file (and the keys)."""
         where = f"{self.name}: --carry {self.carry}: {self.label(*job)}"
         hashes = row.get("files_sha256") or {}
         for name in self.evidence_files():
@@ -477,6 +486,12 @@ class Sweep:
             if committed != hashes[name]:
                 raise SystemExit(f"{where}: {rel(path)} as committed has SHA-256 {committed[:16]}…, the report's row says {hashes[name][:16]}…: "
                                  "the row is not the committed run's. Carry the report written with those files, or train it here")
+        config = self.export / self.run_name(*job) / "config.yaml"
+        recipe = self.recipe_changes(job, committed_bytes(config))
+        if recipe:
+            raise SystemExit(f"{where}: the committed {rel(config)} is another recipe than this sweep would launch (differing keys: "
+                             f"{'; '.join(recipe)}): its row would enter the report under settings it did not run with. Train it here, "
+                             "or run the sweep with that run's settings")
         show = lambda name: json.loads(committed_bytes(self.export / self.run_name(*job) / name))  # noqa: E731  (the bytes just hashed)
         if show("audit.json").get("verdict") != row.get("audit"):
             raise SystemExit(f"{where}: the report's audit {row.get('audit')!r} is not the committed "
