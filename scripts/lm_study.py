@@ -61,12 +61,14 @@ def main(argv=None) -> int:
         ap.error("--arms and --seeds must not repeat")
     if args.force and args.report_only:
         ap.error("--force reruns runs and --report-only trains none: use one")
-    if args.gate == "keep" and args.carry and not args.export:
-        ap.error("--gate keep carries a row only when its files match the committed run files: pass --export DIR (where they are committed)")
-    return Study(args.arms, args.seeds, args.out, config_dir=args.config_dir, gate=args.gate, quick=args.quick, overrides=args.set,
-                 parallel=args.parallel, final_episodes=args.final_episodes, final_split=args.final_split, report_only=args.report_only,
-                 force=args.force, carry=args.carry, export=args.export, allow_dirty=args.allow_dirty,
-                 kernel=args.kernel).main()
+    try:  # the study refuses what cannot run together (--gate keep --carry without --export, ...)
+        study = Study(args.arms, args.seeds, args.out, config_dir=args.config_dir, gate=args.gate, quick=args.quick, overrides=args.set,
+                      parallel=args.parallel, final_episodes=args.final_episodes, final_split=args.final_split,
+                      report_only=args.report_only, force=args.force, carry=args.carry, export=args.export,
+                      allow_dirty=args.allow_dirty, kernel=args.kernel)
+    except ValueError as err:
+        ap.error(str(err))
+    return study.main()
 
 
 if __name__ == "__main__":

@@ -473,6 +473,25 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     assert "no no_cross_trajectory arm" in judge(only_two)["secondary"]["note"]
 
 
+def test_the_keep_rule_fails_a_final_evaluation_of_no_episode_naming_it():
+    """A final evaluation that played no episode has no success rate (successes / 0): the rule fails, naming the run
+    and what to do, instead of raising TypeError on the missing fraction; the secondary comparison skips the seed."""
+    from fractions import Fraction
+
+    from crl.experiments.lm_study import keep_gate
+
+    arms = keep_arms()
+    arms["joint"]["seeds"]["2"]["final_eval"].update(episodes=0, successes=0, success=None,
+                                                     summary={"episodes_judged": 0, "holds": 0, "holds_frac": None, "success_holds": 0,
+                                                              "success_not_holds": 0})
+    g = keep_gate(arms, chance=Fraction(1, 4), shortcut={"name": "first_3_records", "price_exact": "24/120", "split": "test"},
+                  iterations={a: 2 for a in arms})
+    assert g["verdict"] == "FAIL" and not g["checks"]["every_run_complete"]["pass"]
+    assert g["checks"]["every_run_complete"]["missing"] == ["joint seed 2: its final evaluation played no episode (evaluate it again "
+                                                            "with --episodes > 0)"]
+    assert g["secondary"]["success"]["per_seed"]["2"] == {"value": None, "exact": None}
+
+
 def test_a_study_report_comes_from_a_clean_tree(tmp_path, monkeypatch):
     """A dirty checkout is refused before anything trains, with one line saying how to proceed; --allow-dirty (or
     --quick) lets it through, and the report records which."""
@@ -494,6 +513,54 @@ def test_a_study_report_comes_from_a_clean_tree(tmp_path, monkeypatch):
         lm_study.Study(*args, config_dir=KEEP_QUICK, gate="keep", allow_dirty=True).main()
     with pytest.raises(SystemExit, match="no frozen arm"):
         lm_study.Study(["joint"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", allow_dirty=True).main()
+
+
+def test_the_clean_tree_check_leaves_out_only_what_the_study_writes(tmp_path, monkeypatch):
+    """On a real git checkout: the study's run, log and warm-start directories, its report and each run's export
+    directory never make the tree dirty, wherever --out and --export are (the checkout's root included); anything else
+    does. An --export of the root used to leave the whole checkout out of the check."""
+    import crl.experiments.lm_study as lm_study
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "code")
+    monkeypatch.setattr(lm_study, "ROOT", repo)
+    study = lambda **kw: lm_study.Study(["joint", "frozen"], [1], kw.pop("out", repo), config_dir=KEEP_QUICK, gate="keep",  # noqa: E731
+                                        final_split="test", **kw)
+    for name in ("runs/joint_seed1/metrics.jsonl", "logs/joint_seed1.train.log", "warm_start_cache/k.pt", "report.json",
+                 "joint_seed1/config.yaml", "frozen_seed1/audit.json"):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text("output\n")
+    assert study(export=repo).check_clean_tree()["clean"] is True  # --out . --export .: its outputs alone
+    (repo / "code.py").write_text("x = 2\n")  # the code changed: refused, wherever the outputs go
+    for kw in ({"export": repo}, {"export": repo / "kept", "out": repo / "out"}, {}):
+        with pytest.raises(SystemExit, match="uncommitted changes"):
+            study(**kw).check_clean_tree()
+    git("commit", "-qam", "code 2")
+    (repo / "joint_seed2").mkdir()  # not a run of this study (seed 2): its files are not the study's outputs
+    (repo / "joint_seed2" / "config.yaml").write_text("other\n")
+    with pytest.raises(SystemExit, match="uncommitted changes"):
+        study(export=repo).check_clean_tree()
+
+
+def test_the_keep_study_refuses_carry_without_export(tmp_path):
+    """--gate keep carries a row only against the committed run files: the Study itself refuses a carry without an
+    export (not only the script's argument parsing), and the script says it as a usage error."""
+    import crl.experiments.lm_study as lm_study
+
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    with pytest.raises(ValueError, match="pass --export DIR"):
+        lm_study.Study(["joint", "frozen"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", carry=report)
+    lm_study.Study(["joint", "frozen"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", carry=report,
+                   export=tmp_path / "kept")
+    proc = subprocess.run([sys.executable, "scripts/lm_study.py", "--arms", "joint", "frozen", "--seeds", "1", "--out", str(tmp_path / "o"),
+                           "--config-dir", str(KEEP_QUICK), "--gate", "keep", "--carry", str(report)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "pass --export DIR" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ final-evaluated), its evidence is copied to ``DIR/ARM_seedS/`` — :data:`EXPORT
 wall times (``timing.json``) and ``summaries.jsonl`` (its first and last evidence iterations decoded by
 ``scripts/summary_content.py --rows``), never checkpoints — and a line says it is ready to commit, so a machine lost
 between invocations loses no finished run. A report comes only from a clean git tree (nothing listed by ``git
-status`` outside ``runs/``, ``--out`` and ``--export``): a dirty one is refused before anything trains, unless
+status`` outside ``runs/`` and what the study writes under ``--out`` and ``--export``): a dirty one is refused before anything trains, unless
 ``--allow-dirty`` (or ``--quick``) allows it, which the report records (``tree``).
 
 Writes, atomically, ``DIR/report.json``::
@@ -204,7 +204,8 @@ def _value(x: Fraction | None) -> dict:
 
 def run_missing(row: dict | None, iterations: int, split: str = KEEP_SPLIT) -> list[str]:
     """What a judged run lacks for the keep rule (``[]``: complete): the run itself, a dev evaluation at iteration 0
-    and at its last iteration, a final evaluation of ``split`` with its integer counts and ``summary`` block."""
+    and at its last iteration, a final evaluation of ``split`` of at least one episode with its integer counts and
+    ``summary`` block."""
     if row is None:
         return ["no run"]
     if row.get("not_run") or row.get("audit") == "NOT RUN":
@@ -219,6 +220,8 @@ def run_missing(row: dict | None, iterations: int, split: str = KEEP_SPLIT) -> l
         missing.append("no final evaluation")
     elif fe.get("split") != split:
         missing.append(f"its final evaluation is on {fe.get('split')}, the rule reads {split} (--final-split {split})")
+    elif not fe.get("episodes"):  # no success rate to judge: successes / 0
+        missing.append("its final evaluation played no episode (evaluate it again with --episodes > 0)")
     elif "successes" not in fe or not isinstance(fe.get("summary"), dict) or "episodes_judged" not in fe["summary"]:
         missing.append("its final evaluation has no summary block (made by an older scripts/evaluate.py: evaluate it again)")
     elif fe.get("iteration") != iterations:
@@ -337,6 +340,9 @@ class Study(Sweep):
                  kernel: str = "default"):
         if gate not in GATES:
             raise ValueError(f"gate {gate!r}: one of {', '.join(GATES)}")
+        if gate == "keep" and carry and not export:  # the keep rule judges no row it cannot check against the committed files
+            raise ValueError("--gate keep carries a row only when its files match the committed run files: pass --export DIR "
+                             "(where they are committed)")
         self.config_dir = Path(config_dir).resolve()
         final = final_episodes if final_episodes is not None else (8 if quick else 240)
         self.gate_name = gate
@@ -375,10 +381,11 @@ class Study(Sweep):
         return super().main()
 
     def check_clean_tree(self) -> dict:
-        """A report comes from a clean git tree (``git status`` lists nothing outside ``runs/``, the study's ``--out`` and
-        its ``--export``): refused before anything trains otherwise, unless a dirty tree was allowed (``--allow-dirty``,
-        or ``--quick``). Returns what the report records."""
-        state = git_state(ROOT, ignore=(self.out, *([self.export] if self.export else [])))
+        """A report comes from a clean git tree (``git status`` lists nothing outside ``runs/`` and what the study writes,
+        :meth:`outputs`: never the whole ``--out`` or ``--export``, which may be the checkout's root): refused before
+        anything trains otherwise, unless a dirty tree was allowed (``--allow-dirty``, or ``--quick``). Returns what
+        the report records."""
+        state = git_state(ROOT, ignore=tuple(self.outputs()))
         clean = state["dirty"] is False
         if not clean and self.dirty_allowed_by is None:
             why = "has uncommitted changes (git status)" if state["dirty"] is True else "is not a git checkout (no commit to record)"
@@ -388,6 +395,11 @@ class Study(Sweep):
 
     def run_name(self, arm: str, seed: int, kernel: str) -> str:
         return f"{arm}_seed{seed}"
+
+    def outputs(self) -> list[Path]:
+        """The sweep's outputs, the shared warm start and each run's export directory (``EXPORT/ARM_seedS``)."""
+        exported = [self.export / self.run_name(*job) for job in self.jobs] if self.export else []
+        return [*super().outputs(), self.out / "warm_start_cache", *exported]
 
     def extra_overrides(self, arm: str, seed: int) -> list[str]:
         # one warm start per seed, shared by the arms (they differ only after it; crl.warm_start.warm_start_cached)

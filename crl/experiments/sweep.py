@@ -56,7 +56,7 @@ directory stops the sweep with one line naming the run and the differing keys; `
 run aside (``DIR/replaced/NAME.TIMESTAMP``) and trains it afresh.
 
 **Provenance.** Before it trains a run, the sweep appends the code's git commit and dirty-tree flag
-(:func:`crl.provenance.git_state`; the sweep's own output left out) to ``RUN_DIR/code.json``; a run's report row
+(:func:`crl.provenance.git_state`; what the sweep writes, :meth:`Sweep.outputs`, left out) to ``RUN_DIR/code.json``; a run's report row
 carries them as ``code`` (``"unknown"`` without that file or outside a git checkout), the report the invocation's own.
 
 Writes, atomically, ``DIR/report.json`` (keys sorted)::
@@ -361,6 +361,12 @@ class Sweep:
 
     def log_base(self, job) -> Path:
         return self.out / "logs" / self.run_name(*job)
+
+    def outputs(self) -> list[Path]:
+        """The paths this sweep writes (under ``out``: runs, logs, runs moved aside, the report and its curves): the
+        dirty-tree check leaves them out, and only them, so an ``out`` anywhere in the checkout (its root included)
+        never hides a change to the code."""
+        return [self.out / name for name in ("runs", "logs", "replaced", "report.json", "curves.png")]
 
     def extra_overrides(self, arm: str, seed: int) -> list[str]:
         """Overrides a subclass adds to every run of (arm, seed) (lm_study: the shared warm-start cache)."""
@@ -850,7 +856,7 @@ class Sweep:
         todo = [job for job in self.jobs if job not in self.carried]
         for job, row in self.carried.items():
             self.say(f"carry  {self.label(*job)} from {rel(self.carry)}: audit {row['audit']}, trained by {row.get('code', {}).get('commit', UNKNOWN)}")
-        self.code_state = git_state(ROOT, ignore=(self.out, *([self.export] if self.export else [])))
+        self.code_state = git_state(ROOT, ignore=tuple(self.outputs()))
         self.out.mkdir(parents=True, exist_ok=True)
         self.say(f"{len(self.jobs)} runs ({', '.join(self.arms)} x seeds {' '.join(map(str, self.seeds))}"
                  f"{'' if self.kernels == ['default'] else ' x kernels ' + ' '.join(self.kernels)}), "
