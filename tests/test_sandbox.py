@@ -564,7 +564,8 @@ print(json.dumps(res))
 _X86_64_CALLS = [("add_key", 248, (b"user", b"crl-probe", b"data", 4, -2)), ("keyctl", 250, (0, -2)), ("io_uring_setup", 425, (1, 0)),
                  ("bpf", 321, (0, 0, 0)), ("perf_event_open", 298, (0, 0, -1, -1, 0)), ("userfaultfd", 323, (0,)),
                  ("ptrace", 101, (0, 0, 0, 0)), ("unshare", 272, (0x10000000,)), ("mount", 165, (0, 0, 0, 0, 0)),
-                 ("process_vm_writev", 311, (0, 0, 0, 0, 0, 0)), ("pidfd_getfd", 438, (-1, 0, 0)), ("chroot", 161, (b"/",)),
+                 ("process_vm_readv", 310, (0, 0, 0, 0, 0, 0)), ("process_vm_writev", 311, (0, 0, 0, 0, 0, 0)),
+                 ("pidfd_getfd", 438, (-1, 0, 0)), ("chroot", 161, (b"/",)),
                  ("personality", 135, (0x0040000,)), ("getpid", 39, ()), ("personality query", 135, (0xFFFFFFFF,))]
 
 
@@ -573,7 +574,8 @@ def test_dangerous_syscalls_get_eperm(mode, request, monkeypatch):
     """The seccomp filter (issue 28 item 3): keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, namespaces,
     mounts return EPERM to tool code, in both modes; ordinary calls work. Without the filter some of them get
     through here (add_key stores a key the next call of the same uid could read; io_uring_setup, bpf reach the kernel).
-    Issue 48: process_vm_writev, pidfd_getfd, chroot and personality (ADDR_NO_RANDOMIZE) too; the persona query works."""
+    Also process_vm_readv / _writev (another process's memory without ptrace), pidfd_getfd, chroot and personality
+    (ADDR_NO_RANDOMIZE); the persona query works."""
     import platform
 
     import crl.sandbox
@@ -602,7 +604,7 @@ _KERNEL_SYSCALL_NUMBERS = {
     "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
     "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
     "swapoff": (168, 225), "reboot": (169, 142), "memfd_create": (319, 279), "clone": (56, 220), "clone3": (435, 435),
-    "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "chroot": (161, 51), "personality": (135, 92),
+    "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "chroot": (161, 51), "personality": (135, 92),
     "mount_setattr": (442, 442), "open_tree_attr": (467, 467),
 }
 # include/uapi/linux/sched.h
@@ -684,7 +686,7 @@ def test_the_seccomp_program_denies_exactly_the_list(machine, arch):
                       "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree",
                       "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load",
                       "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot",
-                      "process_vm_writev", "pidfd_getfd", "chroot"}
+                      "process_vm_readv", "process_vm_writev", "pidfd_getfd", "chroot"}
     assert set(DENIED_SYSCALLS) == expected_names and set(FALLBACK_DENIED) == {"memfd_create"}
     assert set(DENIED_WHERE_KNOWN) == {"mount_setattr", "open_tree_attr"}
     seccomp_arch = getattr(pyseccomp.Arch, {"x86_64": "X86_64", "aarch64": "AARCH64"}[machine])
