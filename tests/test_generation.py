@@ -90,8 +90,6 @@ def test_critic_initialised_from_actor_and_aligned(lm):
     critic = ValueModel.from_actor(lm)
     for (name, p), (_, q) in zip(critic.backbone.named_parameters(), lm.get_decoder().named_parameters()):
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), name
-    shared = ValueModel.from_actor(lm, share_backbone=True)
-    assert shared.backbone is lm.get_decoder()
     with torch.no_grad():
         critic.value_head.weight.normal_()
     tokens = torch.tensor([[1, 5, 6, 7, 0, 0], [1, 8, 9, 4, 4, 4]])

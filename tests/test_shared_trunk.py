@@ -286,6 +286,8 @@ def test_values_in_the_policy_step_are_refused_where_a_row_needs_its_siblings():
 
     for extra, expected in ((["train.policy_minibatches=1"], True), (["train.policy_minibatches=2"], False),
                             (["train.policy_minibatches=1", "algo.whiten_advantage=true"], False),
+                            (["train.policy_minibatches=1", "algo.cross_trajectory=false"], True),
+                            (["train.policy_minibatches=1", "algo.boundary=bootstrap", "algo.cross_trajectory=false"], False),
                             (["train.policy_minibatches=1", "train.policy_epochs=2"], False)):
         cfg = load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", *extra])
         ppo = PPOUpdate.__new__(PPOUpdate)
