@@ -10,14 +10,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from crl.experiments import sweep  # noqa: E402
+from crl.experiments.kernels import KERNELS  # noqa: E402
+from crl.experiments.run_files import ROOT  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", nargs="+", default=[str(sweep.ROOT / "configs" / "default.yaml")], metavar="[NAME=]FILE",
+    ap.add_argument("--config", nargs="+", default=[str(ROOT / "configs" / "default.yaml")], metavar="[NAME=]FILE",
                     help="one arm per config file, named by its stem or NAME (default: configs/default.yaml)")
     ap.add_argument("--seeds", nargs="+", default=None, help="train.seed of each run: 0-9, 0 3 5, 0-4 7 (default 0-9; --quick: 0 1)")
-    ap.add_argument("--kernels", nargs="+", default=None, choices=list(sweep.KERNELS),
+    ap.add_argument("--kernels", nargs="+", default=None, choices=list(KERNELS),
                     help="ATEN_CPU_CAPABILITY of each run: default (unset: the machine's best), scalar (=default: non-vectorised), avx2, avx512 "
                          "(default: default; --quick: default avx2)")
     ap.add_argument("--out", required=True, help="sweep directory: runs/, logs/, report.json, curves.png")

@@ -1,4 +1,4 @@
-"""The LM study's groundwork (issue 13, docs/lm_study.md): a task without the early-submit shortcut, proved with
+"""The LM study's groundwork (docs/lm_study.md): a task without the early-submit shortcut, proved with
 a summary-blind policy; the ``env.early_submit`` key; ``scripts/lm_study.py --quick`` end to end (report
 structure, audits, resume)."""
 import json
@@ -300,27 +300,27 @@ def test_study96_arms_differ_only_in_what_they_test_and_share_the_budget():
 def test_gate_is_computed_from_the_final_evaluations():
     """The preregistered gate: joint mean >= 0.95, every joint seed >= 0.90, joint - frozen >= 0.30, every audit PASS;
     a seed without a final evaluation fails it."""
-    import crl.experiments.lm_study as mod
+    from crl.experiments import gates
 
     def arms(joint, frozen, audit="PASS"):
         seed = lambda v: {"final_eval": None if v is None else {"success": v}, "audit": audit}  # noqa: E731
         return {"joint": {"seeds": {str(i): seed(v) for i, v in enumerate(joint)}}, "frozen": {"seeds": {str(i): seed(v) for i, v in enumerate(frozen)}}}
 
-    assert mod.Study.gate(arms([0.96, 0.95, 0.97], [0.3, 0.25, 0.28]))["verdict"] == "PASS"
-    g = mod.Study.gate(arms([0.99, 0.99, 0.89], [0.3, 0.25, 0.28]))
+    assert gates.gate(arms([0.96, 0.95, 0.97], [0.3, 0.25, 0.28]))["verdict"] == "PASS"
+    g = gates.gate(arms([0.99, 0.99, 0.89], [0.3, 0.25, 0.28]))
     assert g["verdict"] == "FAIL" and not g["checks"]["joint_min"]["pass"] and g["checks"]["joint_mean"]["pass"]
-    assert not mod.Study.gate(arms([0.96, 0.95, 0.94], [0.3, 0.25, 0.28]))["checks"]["joint_mean"]["pass"]  # mean 0.9500 - eps
-    assert not mod.Study.gate(arms([0.96, 0.96, 0.96], [0.7, 0.7, 0.7]))["checks"]["joint_minus_frozen"]["pass"]
-    assert mod.Study.gate(arms([0.96, 0.96, 0.96], [0.3, 0.3, 0.3], audit="FAIL"))["verdict"] == "FAIL"
-    assert mod.Study.gate(arms([0.96, None, 0.96], [0.3, 0.3, 0.3]))["verdict"] == "FAIL"
-    assert mod.Study.gate({"joint": {"seeds": {}}}) is None  # no frozen arm: no gate
+    assert not gates.gate(arms([0.96, 0.95, 0.94], [0.3, 0.25, 0.28]))["checks"]["joint_mean"]["pass"]  # mean 0.9500 - eps
+    assert not gates.gate(arms([0.96, 0.96, 0.96], [0.7, 0.7, 0.7]))["checks"]["joint_minus_frozen"]["pass"]
+    assert gates.gate(arms([0.96, 0.96, 0.96], [0.3, 0.3, 0.3], audit="FAIL"))["verdict"] == "FAIL"
+    assert gates.gate(arms([0.96, None, 0.96], [0.3, 0.3, 0.3]))["verdict"] == "FAIL"
+    assert gates.gate({"joint": {"seeds": {}}}) is None  # no frozen arm: no gate
     # the code of the judged runs: every commit, dirty if any run was, unknown for a run without code.json
     judged = arms([0.96, 0.96], [0.3, 0.3])
     for (arm, seed), code in zip([("joint", "0"), ("joint", "1"), ("frozen", "0")],
                                  [{"commit": "a", "dirty": False}, {"commit": ["b", "a"], "dirty": True}, {"commit": "a", "dirty": False}]):
         judged[arm]["seeds"][seed]["code"] = code
-    assert mod.Study.gate(judged)["code"] == {"commits": ["a", "b", "unknown"], "dirty": True}
-    assert mod.Study.gate(arms([0.96], [0.3]))["code"] == {"commits": ["unknown"], "dirty": "unknown"}
+    assert gates.gate(judged)["code"] == {"commits": ["a", "b", "unknown"], "dirty": True}
+    assert gates.gate(arms([0.96], [0.3]))["code"] == {"commits": ["unknown"], "dirty": "unknown"}
 
 
 def test_the_study_flattens_configs_with_the_run_directorys_flatten():
@@ -361,16 +361,16 @@ def test_lm_study_quick_covers_the_group_estimator_and_the_test_split(tmp_path):
 
 
 def test_the_pretrained_gate_is_judged_seed_by_seed():
-    """PRETRAINED_GATE (issue 39's preregistration): joint >= frozen + 0.15 and joint's last dev >= its iteration-0 dev
+    """PRETRAINED_GATE (the pretrained study's preregistration): joint >= frozen + 0.15 and joint's last dev >= its iteration-0 dev
     + 0.15 on *every* seed; one seed short of either, a missing evaluation or a failed audit is a FAIL."""
-    import crl.experiments.lm_study as mod
+    from crl.experiments import gates
 
     def arms(joint_final, frozen_final, start, last, audit="PASS"):
         seed = lambda f, i0, l: {"final_eval": None if f is None else {"success": f}, "iter0_dev_success": i0, "final_dev_success": l, "audit": audit}  # noqa: E731
         return {"joint": {"seeds": {str(k): seed(j, s, l) for k, (j, s, l) in enumerate(zip(joint_final, start, last))}},
                 "frozen": {"seeds": {str(k): seed(f, 0.1, 0.1) for k, f in enumerate(frozen_final)}}}
 
-    gate = mod.Study.pretrained_gate
+    gate = gates.pretrained_gate
     assert gate(arms([0.6, 0.5], [0.3, 0.3], [0.2, 0.3], [0.6, 0.5]))["verdict"] == "PASS"
     # the mean gap is 0.2 but one seed's is 0.1: the rule is per seed
     out = gate(arms([0.7, 0.4], [0.3, 0.3], [0.2, 0.2], [0.7, 0.4]))
@@ -382,7 +382,7 @@ def test_the_pretrained_gate_is_judged_seed_by_seed():
     assert gate(arms([0.6, 0.6], [0.3, 0.3], [0.2, 0.2], [0.6, 0.6], audit="FAIL"))["verdict"] == "FAIL"
 
 
-# ------------------------------------------------------------------------------------------------ the keep study (issue 47)
+# ------------------------------------------------------------------------------------------------ the keep study
 KEEP_QUICK = ROOT / "tests" / "data" / "lm_keep_quick"
 
 
@@ -411,7 +411,7 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     evaluation on dev fails it naming what is missing; the secondary comparison is computed, never judged."""
     from fractions import Fraction
 
-    from crl.experiments.lm_study import KEEP_GATE, keep_gate
+    from crl.experiments.keep_rule import KEEP_GATE, keep_gate
 
     shortcut = {"name": "first_3_records", "price_exact": "24/120", "split": "test"}
     judge = lambda arms: keep_gate(arms, chance=Fraction(1, 4), shortcut=shortcut, iterations={a: 2 for a in arms})  # noqa: E731
@@ -478,7 +478,7 @@ def test_the_keep_rule_fails_a_final_evaluation_of_no_episode_naming_it():
     and what to do, instead of raising TypeError on the missing fraction; the secondary comparison skips the seed."""
     from fractions import Fraction
 
-    from crl.experiments.lm_study import keep_gate
+    from crl.experiments.keep_rule import keep_gate
 
     arms = keep_arms()
     arms["joint"]["seeds"]["2"]["final_eval"].update(episodes=0, successes=0, success=None,
@@ -571,7 +571,7 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
     computed from the study's own config (its verdict on a quick run means nothing), the secondary comparison, the
     files' hashes, the commits that trained each run and the tree it came from; the PNG is written; a rerun trains
     nothing and exports the same files."""
-    from crl.experiments.lm_study import KEEP_GATE
+    from crl.experiments.keep_rule import KEEP_GATE
     from crl.experiments.records_shortcuts import prices_table
     from crl.io import sha256_file
 

@@ -1,4 +1,4 @@
-"""The sweep runner, crl.experiments.sweep with scripts/sweep.py on top (issue 26): the statistics against independent computations, and ``--quick`` end to end (4 runs:
+"""The sweep runner, crl.experiments.sweep with scripts/sweep.py on top: the statistics against independent computations, and ``--quick`` end to end (4 runs:
 2 seeds x kernels default / avx2, each audited; the kernel really reached the training process; the report's
 aggregates recomputed from its rows; resume retrains nothing, also from a run carried as four files, which a sweep with
 other settings refuses; ``--report-only``; ``--carry`` from a report; the commit that trained each run) and the rule that a run is reused only
@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crl.experiments import sweep
+from crl.experiments import run_files, stats, sweep
+from crl.experiments.exports import carry_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
@@ -66,7 +67,7 @@ def stats_by_hand(strata: dict, threshold: float) -> dict | None:
     if not x:
         return None
     return {"n": len(x), "mean": sum(x) / len(x), "min": min(x), "max": max(x), "iqm": iqm_by_hand(x),
-            "iqm_ci95": bootstrap_by_hand(strata, sweep.RESAMPLES, sweep.BOOTSTRAP_SEED),
+            "iqm_ci95": bootstrap_by_hand(strata, stats.RESAMPLES, stats.BOOTSTRAP_SEED),
             "frac_at_least_threshold": sum(v >= threshold for v in x) / len(x)}
 
 
@@ -97,11 +98,11 @@ def test_parse_seeds():
 
 
 def test_iqm_is_rliables_trimmed_mean():
-    """sweep.iqm == scipy.stats.trim_mean(x, 0.25) (rliable's aggregate_iqm) when scipy is installed, and == a plain
+    """stats.iqm == scipy.stats.trim_mean(x, 0.25) (rliable's aggregate_iqm) when scipy is installed, and == a plain
     sorted-list loop always; n = 10 averages the middle 6 (floor(10/4) = 2 dropped at each end)."""
-    assert sweep.iqm([10, 1, 9, 2, 8, 3, 7, 4, 6, 5]) == (3 + 4 + 5 + 6 + 7 + 8) / 6
-    assert sweep.iqm([0.0, 1.0, 100.0]) == pytest.approx(101 / 3)  # n < 4: nothing dropped
-    assert sweep.iqm([0.0, 1.0, 2.0, 100.0]) == 1.5
+    assert stats.iqm([10, 1, 9, 2, 8, 3, 7, 4, 6, 5]) == (3 + 4 + 5 + 6 + 7 + 8) / 6
+    assert stats.iqm([0.0, 1.0, 100.0]) == pytest.approx(101 / 3)  # n < 4: nothing dropped
+    assert stats.iqm([0.0, 1.0, 2.0, 100.0]) == 1.5
     try:
         from scipy.stats import trim_mean
     except ImportError:
@@ -109,32 +110,32 @@ def test_iqm_is_rliables_trimmed_mean():
     rng = random.Random(0)
     for n in range(1, 40):
         x = [rng.choice([0.0, 0.25, 0.5, 0.9, 1.0, rng.random()]) for _ in range(n)]
-        assert sweep.iqm(x) == pytest.approx(iqm_by_hand(x), abs=1e-12), n
+        assert stats.iqm(x) == pytest.approx(iqm_by_hand(x), abs=1e-12), n
         if trim_mean is not None:
-            assert sweep.iqm(x) == pytest.approx(float(trim_mean(x, 0.25)), abs=1e-12), n
+            assert stats.iqm(x) == pytest.approx(float(trim_mean(x, 0.25)), abs=1e-12), n
 
 
 def test_stratified_bootstrap_matches_a_hand_loop():
     """The vectorised bootstrap equals the loop over resamples (same draws, IQM and percentiles by hand); it is
     stratified: two strata whose values never mix always resample to the same IQM."""
     strata = {"joint/default": [0.9, 1.0, 0.95, 0.3, 1.0], "joint/avx2": [0.25, 0.97, 1.0], "frozen/default": [0.5]}
-    got = sweep.iqm_ci(strata, resamples=4000, seed=123)
+    got = stats.iqm_ci(strata, resamples=4000, seed=123)
     assert got == pytest.approx(bootstrap_by_hand(strata, 4000, 123), abs=1e-12)
-    assert got[0] <= sweep.iqm([v for vs in strata.values() for v in vs]) <= got[1]
-    assert sweep.iqm_ci(strata, resamples=4000, seed=123) == got  # fixed seed: reproducible
+    assert got[0] <= stats.iqm([v for vs in strata.values() for v in vs]) <= got[1]
+    assert stats.iqm_ci(strata, resamples=4000, seed=123) == got  # fixed seed: reproducible
     # Per stratum, 2 zeros and 2 ones: every stratified resample holds 2 of each (IQM 0.5); unstratified would not.
-    assert sweep.iqm_ci({"a": [0.0, 0.0], "b": [1.0, 1.0]}, resamples=2000) == [0.5, 0.5]
-    assert sweep.stats({"a": [], "b": []}, 0.9) is None
+    assert stats.iqm_ci({"a": [0.0, 0.0], "b": [1.0, 1.0]}, resamples=2000) == [0.5, 0.5]
+    assert stats.stats({"a": [], "b": []}, 0.9) is None
 
 
 def test_mean_bootstrap_matches_a_hand_loop():
-    """sweep.mean_ci: the percentile interval of resampled means, with iqm_ci's draws (one stratum), written out."""
+    """stats.mean_ci: the percentile interval of resampled means, with iqm_ci's draws (one stratum), written out."""
     x = [0.25, -0.1, 0.4, 0.05, 0.3]
     rng = np.random.default_rng(7)
     draws = rng.integers(0, len(x), (3000, len(x)))
     means = [sum(x[int(i)] for i in row) / len(x) for row in draws]
-    assert sweep.mean_ci(x, resamples=3000, seed=7) == pytest.approx([percentile_by_hand(means, 2.5), percentile_by_hand(means, 97.5)], abs=1e-12)
-    assert sweep.mean_ci([0.2, 0.2, 0.2]) == pytest.approx([0.2, 0.2])
+    assert stats.mean_ci(x, resamples=3000, seed=7) == pytest.approx([percentile_by_hand(means, 2.5), percentile_by_hand(means, 97.5)], abs=1e-12)
+    assert stats.mean_ci([0.2, 0.2, 0.2]) == pytest.approx([0.2, 0.2])
 
 
 def test_cli_refuses_ambiguous_arms():
@@ -193,7 +194,7 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
         assert r["iter0_dev_success"] == r["curve"][0][1] and r["final_dev_success"] == r["curve"][-1][1] and r["final_iteration"] == 2
         assert r["iterations_to_threshold"] == next((it for it, v in r["curve"] if v >= 0.9), None)
         assert r["final_eval"]["episodes"] == 8 and r["final_eval"]["iteration"] == 2 and r["final_eval_success"] == r["final_eval"]["success"]
-        assert set(r["diagnostics"]) <= set(sweep.DIAGNOSTICS) and r["train_wall_s"] > 0
+        assert set(r["diagnostics"]) <= set(run_files.DIAGNOSTICS) and r["train_wall_s"] > 0
         assert r["overrides"] == sweep.QUICK
         # the code that trained it: this checkout's commit (code.json, written before the launch)
         assert r["code"]["commit"] == report["code"]["commit"] == HEAD and r["code"]["dirty"] == report["code"]["dirty"]
@@ -254,10 +255,10 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     assert refused.returncode == 1 and "algo.gamma: 1.0 -> 0.5" in refused.stderr and "start " not in refused.stdout, refused.stderr[-2000:]
     assert (row["curve"], row["final_eval"], row["audit"]) == (rows2[name]["curve"], rows2[name]["final_eval"], "PASS")
     # a metrics.jsonl the audit did not hash (a resumed run appended to it) makes the audit stale
-    assert sweep.audit_current(carried / "runs" / name)
+    assert run_files.audit_current(carried / "runs" / name)
     with open(carried / "runs" / name / "metrics.jsonl", "a") as f:
         f.write('{"step": 3}\n')
-    assert not sweep.audit_current(carried / "runs" / name)
+    assert not run_files.audit_current(carried / "runs" / name)
 
     # --report-only: trains nothing; seed 2 was never run
     only = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--report-only", "--seeds", "0", "2", "--kernels", "default",
@@ -360,21 +361,21 @@ def test_an_audit_made_by_other_auditor_code_is_redone_where_the_evidence_is(tmp
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     s.log_base(job).parent.mkdir(parents=True)
     assert crl.audit.main([str(run_dir)]) == 0
-    assert sweep.audit_current(run_dir) and s.audit(job) == ("PASS", 0.0, True)
+    assert run_files.audit_current(run_dir) and s.audit(job) == ("PASS", 0.0, True)
 
     def older_auditor(verdict):  # the same metrics, audited by other code (which said `verdict`)
         audit = json.loads((run_dir / "audit.json").read_text())
         (run_dir / "audit.json").write_text(json.dumps(dict(audit, verdict=verdict, auditor={"module": "elsewhere", "sha256": "0" * 64})))
 
     older_auditor("FAIL")
-    assert not sweep.audit_current(run_dir) and sweep.audit_covers_metrics(run_dir)
+    assert not run_files.audit_current(run_dir) and run_files.audit_covers_metrics(run_dir)
     verdict, _, reused = s.audit(job)
-    assert (verdict, reused) == ("PASS", False) and sweep.audit_current(run_dir)  # audited again, by this auditor
+    assert (verdict, reused) == ("PASS", False) and run_files.audit_current(run_dir)  # audited again, by this auditor
 
     shutil.rmtree(run_dir / "evidence")  # carried as text: nothing to audit again
     older_auditor("PASS")
     capsys.readouterr()
-    assert s.audit(job) == ("PASS", 0.0, True) and not sweep.audit_current(run_dir)
+    assert s.audit(job) == ("PASS", 0.0, True) and not run_files.audit_current(run_dir)
     assert "audit of default seed 0 reused: it was made by other auditor code" in capsys.readouterr().out
 
 
@@ -395,16 +396,16 @@ def test_each_launch_records_the_code_that_trains_the_run(tmp_path):
     s.code_state = git_state(ROOT, ignore=(tmp_path,))
     first = s.code_state["dirty"]
     s.record_launch(job)
-    code = s.run_code(s.run_dir(job))
+    code = run_files.run_code(s.run_dir(job))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     assert code["commit"] == head == s.code_state["commit"] and code["dirty"] == s.code_state["dirty"]
     assert code["launches"][0]["iteration"] is None  # launched on an empty run directory
     s.code_state = {"commit": "f" * 40, "dirty": False}  # a later launch (resume) from another commit
     s.record_launch(job)
-    code = s.run_code(s.run_dir(job))
+    code = run_files.run_code(s.run_dir(job))
     assert code["commit"] == [head, "f" * 40] and len(code["launches"]) == 2
     assert code["dirty"] == (True if first is True else "unknown" if first == "unknown" else False)
-    assert s.run_code(tmp_path / "nowhere") == {"commit": "unknown", "dirty": "unknown", "launches": []}
+    assert run_files.run_code(tmp_path / "nowhere") == {"commit": "unknown", "dirty": "unknown", "launches": []}
 
 
 def committed_run(tmp_path, *recipe):
@@ -433,13 +434,13 @@ def committed_run(tmp_path, *recipe):
     git("commit", "-qm", "the finished run")
     row = {"name": s.run_name(*job), "arm": "default", "seed": 0, "kernel": "default", "config": "configs/default.yaml",
            "overrides": [*s.extra_overrides("default", 0), *s.overrides], "final_iteration": 2, "audit": "PASS",
-           "final_eval": sweep.final_eval_record(evaluation), "files_sha256": {f: sha256_file(kept / f) for f in s.evidence_files()}}
+           "final_eval": run_files.final_eval_record(evaluation), "files_sha256": {f: sha256_file(kept / f) for f in s.evidence_files()}}
     return s, job, row, git, kept
 
 
 def carry(s, row):
     s.carry.write_text(json.dumps({"runs": [row]}))
-    return s.carry_rows()
+    return carry_rows(s)
 
 
 def refused(s, row) -> str:

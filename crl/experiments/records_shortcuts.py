@@ -1,5 +1,5 @@
 """What partial summaries are worth on a sequential-records task: the price of every shortcut a summary policy could
-take instead of keeping which value belongs to which key (issue 47).
+take instead of keeping which value belongs to which key.
 
 A *shortcut* keeps part of what the records showed; its reader reads that part perfectly after the question and
 submits. The price is the exact probability that the submission is the answer, averaged over every task of a split
@@ -8,7 +8,7 @@ the study's preregistration. ``U`` below is the task's update records in order, 
 values; a reader that holds nothing about ``a`` guesses uniformly (``1 / V``).
 
 * ``guess``: nothing kept: ``1 / V``.
-* ``last_value``: the last update's value, no key; submitted. The recency shortcut of issue 39's task.
+* ``last_value``: the last update's value, no key; submitted. The recency shortcut of the pretrained study's task.
 * ``most_frequent_value``: the most frequent value of ``U`` (ties: one of them uniformly), no key.
 * ``last_k_values``: the values of the last ``k`` updates, no keys: one of the distinct ones uniformly.
 * ``last_k_records``: the last ``k`` updates with their keys: ``a``'s value when ``a`` is among them (its last write
