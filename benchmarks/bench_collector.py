@@ -1,7 +1,7 @@
 """Collector throughput: 32 concurrent episodes vs the same 32 episodes one at a time (not a test).
 
 Same tiny model, same tasks (played in order), same sampling settings, measured side by side in one run.
-Prints episodes/s, generated tokens/s and the ratio. Target (issue 4): >= 8x on a 2-core CPU, tiny preset.
+Prints episodes/s, generated tokens/s and the ratio. Target: >= 8x on a 2-core CPU, tiny preset.
 
     python benchmarks/bench_collector.py [--episodes 32] [--length 8] [--preset llama-tiny]
 """

@@ -3,7 +3,7 @@
 The same chat-formatted sequential-records episodes (configs/smollm2_records.yaml: its task, compaction, chat
 template and sampling) are played by crl's collector with each backend at 1, 8 and 32 concurrent episodes,
 side by side in one run; prints generated tokens/s per backend and level and the ratio vLLM / transformers, then
-seconds per weight sync (export_weights + the engine's reload). Target (issue 19): vLLM >= 3x at 32 concurrent
+seconds per weight sync (export_weights + the engine's reload). Target: vLLM >= 3x at 32 concurrent
 episodes on the project's 2-core CPU.
 
     python benchmarks/bench_generation.py --model checkpoints/smollm2-135m-instruct [--episodes 32] [--out FILE]

@@ -215,7 +215,7 @@ os.execv(python, [python, "-I", "-B", "-X", "utf8", code])
 """
 
 
-# Syscalls tool code never needs and attack code wants (issue 28; flatpak's and nsjail's lists): the kernel keyring
+# Syscalls tool code never needs and attack code wants (flatpak's and nsjail's lists): the kernel keyring
 # (state shared between calls of one uid), io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts and the new
 # mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot; and (defence in depth) another
 # process's memory or files by pid (process_vm_readv / _writev, pidfd_getfd: ptrace's reach without ptrace) and chroot.
@@ -237,7 +237,7 @@ DENIED_WHERE_KNOWN = ("mount_setattr", "open_tree_attr")
 PERSONALITY_ALLOWED = (0, 0xFFFFFFFF)
 _LIBSECCOMP_FIX = "install libseccomp 2.5 or newer (`apt-get install libseccomp2`: Debian 11, Ubuntu 20.04 and later)"
 # memfd_create is denied only where no cgroup bounds the call (FALLBACK_DENIED): an anonymous file is memory no
-# rlimit counts, so without the call's cgroup 128 of them held 2 GB (issue 28); with it they are charged to the call
+# rlimit counts, so without the call's cgroup 128 of them held 2 GB; with it they are charged to the call
 FALLBACK_DENIED = ("memfd_create",)
 # clone with any of these flags is a way into a new namespace: EPERM (one masked-equality rule per flag). CLONE_NEWTIME
 # (0x80) exists only for clone3 and unshare: in clone's flags those bits are the exit signal.

@@ -490,7 +490,7 @@ def test_the_import_check_fails_when_the_audit_imports_the_estimator(module, add
 
 
 # ------------------------------------------------------------------------------------------------------------
-# issue 10: critic warm-up iterations and the frozen-summary arm
+# Critic warm-up iterations and the frozen-summary arm
 # ------------------------------------------------------------------------------------------------------------
 
 

@@ -233,7 +233,7 @@ def test_v2_for_real_where_this_machine_has_it():
         assert call.remove()
 
 
-# --- a cgroup delegated to crl (tools.cgroup_parent, issue 48) ------------------------------------------------------
+# --- a cgroup delegated to crl (tools.cgroup_parent) ------------------------------------------------------
 
 def _made_by_crl(fake: KernelRules, given: Path) -> list:
     """Where crl wrote outside the cgroups it made: must be at most the given cgroup's cgroup.subtree_control."""

@@ -104,7 +104,7 @@ def test_an_evaluation_plays_eval_episodes_whatever_the_world_size(episodes, wor
 
 
 def test_evaluating_less_often_changes_neither_the_training_nor_the_final_evaluation_nor_the_audit(tmp_path):
-    """``eval.every`` (issue 46: evaluation that costs less than training): evaluations draw from streams of their own
+    """``eval.every`` (evaluation that costs less than training): evaluations draw from streams of their own
     (crl.streams), so a run evaluated after every iteration and one evaluated only at its start and end train the same
     (every training metric equal), log the same final ``dev/success`` and both pass the audit; the sparse run logs
     ``dev/success`` at the iterations it evaluated, and only those."""

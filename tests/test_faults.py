@@ -1,4 +1,4 @@
-"""Issue 10: every row of the fault table, reproduced on CPU with fixed seeds, asserting the new behaviour.
+"""Every row of the fault table, reproduced on CPU with fixed seeds, asserting the new behaviour.
 
 Sections (one per area of the table; each test names its row):
 
@@ -9,7 +9,7 @@ Sections (one per area of the table; each test names its row):
 5. trainer (added by the trainer-side change): resume, commit order, run-dir lock, config diff, bad inputs
 
 The audit rows ("evidence on a critic warm-up iteration", "frozen-summary runs can never PASS") are tested on
-faked evidence in tests/test_audit.py (section "issue 10"); end-to-end runs belong to section 5.
+faked evidence in tests/test_audit.py (section "critic warm-up iterations and the frozen-summary arm"); end-to-end runs belong to section 5.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Python tool task end to end (issue 21): TorchRL's ChatEnv + crl's CompactionTransform + the sandboxed
+"""The Python tool task end to end: TorchRL's ChatEnv + crl's CompactionTransform + the sandboxed
 PythonTool + the executable verifier, driven by a scripted policy through TorchRL's TransformersWrapper; then
 ``scripts/train.py --config configs/python_tool.yaml`` (config-built model, and SmolLM2 for one iteration) with an
 audit PASS. The scripted policy's text is forced through generate (tests/_torchrl_chat.py), so every id, tool
@@ -133,7 +133,7 @@ def test_the_tool_task_refuses_to_start_without_its_sandbox(tmp_path, monkeypatc
 
 def test_the_tool_task_checks_the_syscall_filter_in_every_mode(tmp_path, monkeypatch):
     """tools.sandbox: none runs the same seccomp filter: a missing pyseccomp/libseccomp stops the trainer build
-    under tools.sandbox with the fix, as in bwrap mode, instead of at the first tool call mid-run (issue 48)."""
+    under tools.sandbox with the fix, as in bwrap mode, instead of at the first tool call mid-run."""
     from crl.builders import check_tool_sandbox
     from crl.config import ConfigValidationError, load_config
     from crl.sandbox import seccomp_filter

@@ -1,5 +1,5 @@
 """One `scripts/train.py` iteration on the imported SmolLM2-135M-Instruct with chat-formatted episodes and at
-least one compaction, followed by an audit PASS (issue 12's CI check; ~2 minutes on one CPU thread)."""
+least one compaction, followed by an audit PASS (CI's real-model check; ~2 minutes on one CPU thread)."""
 import json
 import os
 import subprocess

@@ -163,7 +163,7 @@ def test_host_home_is_hidden(bwrap):
 
 
 def test_only_what_the_interpreter_needs_is_visible(bwrap, tmp_path):
-    """A minimal view (issue 28): /usr and its links, a few /etc files, the interpreter's directories — nothing else.
+    """A minimal view: /usr and its links, a few /etc files, the interpreter's directories — nothing else.
     World-readable host files outside them (/var/tmp, /opt, the checkout's source, a run directory) and host unix
     sockets under /run or /var are absent; ``ro_paths`` adds a path back, read-only."""
     from crl.sandbox import ETC_FILES, SYSTEM_DIRS, _interpreter_dirs
@@ -571,7 +571,7 @@ _X86_64_CALLS = [("add_key", 248, (b"user", b"crl-probe", b"data", 4, -2)), ("ke
 
 @pytest.mark.parametrize("mode", ["bwrap", "none"])
 def test_dangerous_syscalls_get_eperm(mode, request, monkeypatch):
-    """The seccomp filter (issue 28 item 3): keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, namespaces,
+    """The seccomp filter: keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, namespaces,
     mounts return EPERM to tool code, in both modes; ordinary calls work. Without the filter some of them get
     through here (add_key stores a key the next call of the same uid could read; io_uring_setup, bpf reach the kernel).
     Also process_vm_readv / _writev (another process's memory without ptrace), pidfd_getfd, chroot and personality
@@ -743,7 +743,7 @@ def _libseccomp_without(monkeypatch, names: set) -> None:
 def test_an_old_libseccomp_is_a_clear_error(monkeypatch, fresh_filters):
     """A libseccomp that does not know clone3 or the io_uring names (older than the syscalls) refuses to build the
     filter with SandboxUnavailable naming the library's version and the names, in both modes, and the trainer build
-    says so under tools.sandbox (b76b240..issue 48: a bare OSError EINVAL from add_rule, mid-run)."""
+    says so under tools.sandbox (it was a bare OSError EINVAL from add_rule, mid-run)."""
     from crl.sandbox import libseccomp_version, seccomp_filter
 
     assert re.fullmatch(r"\d+\.\d+\.\d+", libseccomp_version()), libseccomp_version()
@@ -781,7 +781,7 @@ def test_a_syscall_newer_than_libseccomp_among_the_optional_ones_is_left_to_the_
 
 
 def test_no_filter_no_run(monkeypatch, tmp_path):
-    """Fail closed (issue 48): a seccomp program that is empty or malformed stops the call before anything runs
+    """Fail closed: a seccomp program that is empty or malformed stops the call before anything runs
     (SandboxUnavailable), and the prelude refuses one itself, so a caller that skipped the check cannot start tool
     code without its filter either (before: an empty program installed no filter at all and the code ran)."""
     import crl.sandbox
@@ -986,7 +986,7 @@ def test_no_way_into_a_namespace_unprivileged(bwrap):
     assert unfiltered["clone CLONE_NEWUSER"] == "ok" and unfiltered["unshare CLONE_NEWUSER"] == "ok", unfiltered
 
 
-# --- one memory and process budget per call: a cgroup (issue 28 items 2 and 4) -------------------------------------
+# --- one memory and process budget per call: a cgroup -------------------------------------
 
 @pytest.fixture
 def call_cgroups(bwrap):
@@ -1050,7 +1050,7 @@ print("held MB:", held)
 
 
 def test_anonymous_files_are_charged_to_the_call_or_denied(call_cgroups, monkeypatch):
-    """memfd_create files are memory no rlimit counts (issue 28: 2 GB held). With the call's cgroup they are charged
+    """memfd_create files are memory no rlimit counts (2 GB held without the cgroup). With the call's cgroup they are charged
     to it (killed at the budget); in the fallback without a cgroup memfd_create is denied; with neither defence
     the call holds 640 MB."""
     import crl.sandbox
@@ -1066,7 +1066,7 @@ def test_anonymous_files_are_charged_to_the_call_or_denied(call_cgroups, monkeyp
 
 
 def test_a_file_flood_ends_at_the_call_budget(call_cgroups, monkeypatch):
-    """Empty files cost no tmpfs space but kernel memory (inodes, dentries: 300 000 files took 376 MB, issue 28):
+    """Empty files cost no tmpfs space but kernel memory (inodes, dentries: 300 000 files took 376 MB):
     the call's cgroup charges it, so a flood ends killed at the budget with the observation saying why, and the
     host's memory is back after the call (the tmpfs went with the sandbox)."""
     flood = "import os\nn = 0\nwhile n < 10**7:\n    open(f'/tmp/f{n}', 'w').close()\n    n += 1\n"

@@ -1,4 +1,4 @@
-"""A critic on the policy's trunk in one pass (``model.share_critic_backbone``, issue 46): ``PolicyValueLM`` writes
+"""A critic on the policy's trunk in one pass (``model.share_critic_backbone``): ``PolicyValueLM`` writes
 log-probs, entropies and values from one forward, and the policy loss carries the value loss weighted
 ``algo.critic_coef`` through one backward.
 

@@ -1,4 +1,4 @@
-"""The summary channel is observable (issue 26): the environments' ``summary_holds`` verdicts on hand-written summaries,
+"""The summary channel is observable: the environments' ``summary_holds`` verdicts on hand-written summaries,
 the collector's per-episode verdict counts on scripted episodes, and the trainer's ``summary/*``, ``train/success_given_*``,
 ``dev/summary_holds_frac`` and ``policy/entropy_{summary,execution}`` against counts and entropies made by hand.
 

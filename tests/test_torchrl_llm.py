@@ -235,7 +235,7 @@ def test_a_correct_final_answer_completes_with_reward_one(tok, lm):
 
 @pytest.mark.slow
 def test_a_verifier_outside_the_transform_that_ends_an_episode_on_a_summary_is_refused(tok, lm):
-    """Issue 27 defect 8: a verifier outside CompactionTransform graded a summary turn and ended the episode there (a
+    """A verifier outside CompactionTransform graded a summary turn and ended the episode there (a
     summary "FINAL apple" earned reward 1). Before the transform in the chain: refused at that step; after it (an
     explicit Compose; append_transform puts it inside, as a child): to_episodes refuses the rollout. Both name the fix."""
     from torchrl.data.llm import History
@@ -295,7 +295,7 @@ def test_bad_setups_fail_with_the_fix_named(tok, lm):
     cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP)
     with pytest.raises(ConfigError, match="forced_steps"):
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=T_COMP, forced_steps=(2,)), MAX_NEW)
-    with pytest.raises(ConfigError, match="keep_task_prompt=True is not supported"):  # issue 27 defect 8: it was ignored
+    with pytest.raises(ConfigError, match="keep_task_prompt=True is not supported"):  # it was ignored
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=T_COMP, keep_task_prompt=True), MAX_NEW)
     with pytest.raises(ConfigError, match="overflow"):
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=8), MAX_NEW)
@@ -311,7 +311,7 @@ def test_bad_setups_fail_with_the_fix_named(tok, lm):
             env.reset(TensorDict(query=["a", "b"], batch_size=(2,)))
     with pytest.raises(ValueError, match="prefer_tokens=True"):  # the history path re-tokenises: refused, not silently drifting
         play(make_env(tok), wrapper(lm, tok, prefer_tokens=False))
-    # issue 27 defect 8: a wrapper whose generation limit exceeds the transform's (a call could overflow C) is refused
+    # a wrapper whose generation limit exceeds the transform's (a call could overflow C) is refused
     longer = TransformersWrapper(lm, tokenizer=tok, input_mode="history", generate=True, return_log_probs=True, prefer_tokens=True,
                                  generate_kwargs=dict(max_new_tokens=MAX_NEW * 4, min_new_tokens=MAX_NEW * 4, do_sample=True,
                                                       suppress_tokens=[0], top_k=len(tok)))
@@ -397,7 +397,7 @@ def test_unsupported_torchrl_chat_configs_fail_at_load(tmp_path, override, match
 
 
 def test_a_task_prompt_too_long_for_the_context_fails_at_start_naming_the_task(tmp_path):
-    """Issue 27 defect 6: only the first task of a split was started at load, so a later task whose prompt cannot fit
+    """Only the first task of a split was started at load, so a later task whose prompt cannot fit
     the context ended as FAILED on every draw, mid-run. The check also starts each split's longest prompt."""
     from crl.builders import build_tokenizer, check_budgets
     from crl.config import ConfigValidationError, load_config
@@ -504,7 +504,7 @@ def test_chat_collector_counts_a_raising_environment_as_failed_and_goes_on(tok, 
 
 
 def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
-    """Issue 27 defect 7: ``fork_rng(devices=[])`` + ``torch.manual_seed`` re-seeded every CUDA generator for good (fork_rng
+    """``fork_rng(devices=[])`` + ``torch.manual_seed`` re-seeded every CUDA generator for good (fork_rng
     restores only the devices it is given). A ChatCollector batch (and a preset model's build) now seeds only the CPU
     generator and the model's own device: CUDA is never seeded here, and the caller's CPU RNG state is as before."""
     from _chat_suite import EchoSuite
@@ -532,7 +532,7 @@ def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
 
 
 def test_a_rank_whose_chat_episodes_all_failed_yields_failed_rows_and_an_empty_training_batch(tmp_path):
-    """Issue 27 defect 6: ChatCollector raised when every episode of its batch failed, so that rank died while the
+    """ChatCollector raised when every episode of its batch failed, so that rank died while the
     others waited in the next collective until the process-group timeout. Now each failed episode is a FAILED row
     (as crl's own collector records it); the learner drops them and the rank's batch is empty, with no exception:
     the iteration's update is skipped on every rank, or made by the others (the trainer's all-reduce)."""

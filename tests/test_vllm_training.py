@@ -114,7 +114,7 @@ def test_a_lora_policy_reaches_the_engine_merged(ckpt, tmp_path):
 
 
 def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckpt, tmp_path):
-    """Issue 27 item 1 on the vLLM backend: the policy directory's generation_config.json sets a repetition penalty, an
+    """The policy directory's generation_config.json sets a repetition penalty, an
     n-gram ban and a top-k (what a real checkpoint can ship). The engine samples crl's distribution, so the learner
     re-scores exactly what was drawn: the first policy update (one minibatch, every row at the sampling weights) has
     approx_kl at float noise and clips nothing. Guarded twice: the engine is built with ``generation_config="vllm"``
@@ -287,7 +287,7 @@ def kill_all(proc, others) -> None:
 
 @pytest.mark.timeout(1800)  # a backstop: the run's own progress decides (STALL_S)
 def test_a_dead_engine_ends_the_run_with_the_checkpoint_to_resume_from(ckpt, tmp_path):
-    """Issue 27 defect 6: the vLLM engine's process is SIGKILLed mid-run (after the first checkpoint). The run ends
+    """The vLLM engine's process is SIGKILLed mid-run (after the first checkpoint). The run ends
     within a bounded time (no hang) with one line naming the cause and the checkpoint to resume from, no traceback;
     the engine's workers die with it."""
     import signal

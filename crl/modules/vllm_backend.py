@@ -514,6 +514,6 @@ class _RequestCounterState:
         return torch.tensor([self.backend.seed, self.backend.requests_sampled], dtype=torch.int64)
 
     def set_state(self, state: torch.Tensor) -> None:
-        if len(state) == 2:  # checkpoints before issue 27 saved the counter alone (their seed was the configured one)
+        if len(state) == 2:  # older checkpoints saved the counter alone (their seed was the configured one)
             self.backend.seed = int(state[0])
         self.backend.requests_sampled = int(state[-1])
