@@ -47,7 +47,8 @@ def main():
     eos = tok.convert_tokens_to_ids(EOS)
     lm = build_causal_lm(args.preset, vocab_size=len(tok), max_positions=2048, eos_token_id=eos, seed=0)
     suite = MemoryChainSuite(length=args.length)
-    cfg = CompactionConfig(context_capacity=2048, min_remaining=64, max_summary_tokens=8, forced_steps=suite.compaction_steps, keep_recent=suite.keep_recent)
+    cfg = CompactionConfig(context_capacity=2048, min_remaining=64, max_summary_tokens=8, forced_steps=suite.compaction_steps,
+                           keep_recent=suite.keep_recent)
     run(lm, suite, cfg, eos, 2, 2, 0)  # warm-up
     rows = {}
     for name, per_batch in (("one at a time", 1), (f"{args.episodes} concurrent", args.episodes)):

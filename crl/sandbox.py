@@ -701,7 +701,8 @@ def _call_cgroup(limits: SandboxLimits):
     try:
         return budget.create(limits.memory_mb << 20, limits.max_processes + _OWN_PIDS)
     except OSError as e:
-        raise SandboxUnavailable(f"cannot make the tool call's cgroup under {sorted(map(str, set(budget.parents.values())))}: {e}") from None
+        parents = sorted(map(str, set(budget.parents.values())))
+        raise SandboxUnavailable(f"cannot make the tool call's cgroup under {parents}: {e}") from None
 
 
 def _pidfd(pid: int) -> int | None:

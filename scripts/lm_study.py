@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
     ap.add_argument("--carry", metavar="REPORT", help="an earlier report.json of this study: its finished, audited runs stand in for "
                     "runs with no directory here (same config, overrides and final evaluation, else it stops)")
-    ap.add_argument("--force", action="store_true", help="rerun a run saved with other settings (moved to OUT/replaced/) instead of refusing")
+    ap.add_argument("--force", action="store_true",
+                    help="rerun a run saved with other settings (moved to OUT/replaced/) instead of refusing")
     ap.add_argument("--final-episodes", type=int, default=None, help="episodes of each run's final-checkpoint evaluation "
                     "(scripts/evaluate.py; default 240 = each of the 60 tasks 4 times; 8 with --quick; 0: none)")
     ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation (the reported "

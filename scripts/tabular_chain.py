@@ -107,7 +107,8 @@ def plot_curves(results: dict, path: Path, arms: list[str], gate_th: dict) -> No
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="center right")
-    fig.suptitle("Tabular policy on the memory chain, 96 steps, compaction forced at 24/48/72, k = 2 (thin: seeds; dotted: joint enters 96-step stage)",
+    fig.suptitle("Tabular policy on the memory chain, 96 steps, compaction forced at 24/48/72, k = 2 (thin: seeds; dotted: joint enters "
+                 "96-step stage)",
                  fontsize=9)
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))

@@ -191,7 +191,8 @@ def test_per_token_outputs_equal_per_segment_forward(collected, attn, source):
         lp, ent = actor_net(td["tokens"], td["attention_mask"])
         v = critic(td["tokens"], td["attention_mask"])
         pv = dict(zip(POLICY_VALUE, policy_value(td["tokens"], td["attention_mask"])))
-        a = PrefixSharedForward(actor_net, ["log_prob", "entropy"], max_chunk_tokens=2000)(td.select(*KEYS, "rollout_id", "segment_index").clone())
+        a = PrefixSharedForward(actor_net, ["log_prob", "entropy"],
+                                max_chunk_tokens=2000)(td.select(*KEYS, "rollout_id", "segment_index").clone())
         c = PrefixSharedForward(critic, ["state_value"])(td.select(*KEYS, "rollout_id", "segment_index").clone())
         a_pv = PrefixSharedForward(policy_value, POLICY_VALUE)(td.select(*KEYS, "rollout_id", "segment_index").clone())
     # fp32 (the models compute log-probs and values in fp32): a forward over a shorter padded length rounds

@@ -166,7 +166,8 @@ def test_early_submit_config_key():
         load_config(None, ["env.early_submit=refuse"])
     cfg = load_config(None, ["env.early_submit=fail"])
     assert build_suite(cfg).early_submit == "fail"
-    assert build_suite(cfg, CurriculumStage(length=2)).make_env(build_suite(cfg, CurriculumStage(length=2)).tasks("dev")[0]).early_submit == "fail"
+    short = build_suite(cfg, CurriculumStage(length=2))
+    assert short.make_env(short.tasks("dev")[0]).early_submit == "fail"
     cfg = load_config(None, ["env.name=sequential_records", "env.early_submit=fail"])
     assert build_suite(cfg).make_env(build_suite(cfg).tasks("dev")[0]).early_submit == "fail"
 
@@ -228,7 +229,8 @@ def test_lm_study_quick_report_and_resume(tmp_path):
         fe = s["final_eval"]  # scripts/evaluate.py on the final checkpoint: 8 episodes in --quick
         assert fe["episodes"] == task["final_eval_episodes"] == 8 and fe["iteration"] == 2 and 0 <= fe["success"] <= 1
         assert (out / s["run_dir"] / "eval_dev_8.json").is_file()
-        # the sweep's row (scripts/sweep.py runs the study): kernel default (the machine's own), the capability the training process ran with
+        # the sweep's row (scripts/sweep.py runs the study): kernel default (the machine's own), the capability the training process ran
+        # with
         assert s["kernel"] == "default" and s["aten_cpu_capability"] is None and s["cpu_capability"]
         assert s["iterations_to_threshold"] == next((it for it, v in s["curve"] if v >= 0.9), None)
         assert s["final_eval_success"] == fe["success"] and isinstance(s["diagnostics"], dict)
@@ -255,12 +257,14 @@ def test_lm_study_quick_report_and_resume(tmp_path):
         assert b["final_eval"] == a["final_eval"]  # reused, not re-sampled
 
     # --report-only: nothing trains; the finished seed is reported (audit reused), a seed never run is NOT RUN
-    only = subprocess.run([sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "--seeds", "7", "8", "--out", str(out), "--report-only"],
+    only = subprocess.run([sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "--seeds", "7", "8", "--out", str(out),
+                           "--report-only"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert only.returncode == 1 and "not run: joint seed 8" in only.stdout and "start " not in only.stdout, only.stdout[-2000:]
     report3 = json.loads((out / "report.json").read_text())["arms"]["joint"]
     assert report3["seeds"]["7"]["curve"] == report["arms"]["joint"]["seeds"]["7"]["curve"] and report3["seeds"]["7"]["audit"] == "PASS"
-    assert report3["seeds"]["8"]["audit"] == "NOT RUN" and report3["seeds"]["8"]["curve"] == [] and report3["seeds"]["8"]["final_dev_success"] is None
+    assert (report3["seeds"]["8"]["audit"] == "NOT RUN" and report3["seeds"]["8"]["curve"] == []
+            and report3["seeds"]["8"]["final_dev_success"] is None)
     assert report3["summary"]["final_dev_success_mean"] == report3["seeds"]["7"]["final_dev_success"]
     assert not (out / "runs" / "joint_seed8").exists()
 
@@ -304,7 +308,8 @@ def test_gate_is_computed_from_the_final_evaluations():
 
     def arms(joint, frozen, audit="PASS"):
         seed = lambda v: {"final_eval": None if v is None else {"success": v}, "audit": audit}  # noqa: E731
-        return {"joint": {"seeds": {str(i): seed(v) for i, v in enumerate(joint)}}, "frozen": {"seeds": {str(i): seed(v) for i, v in enumerate(frozen)}}}
+        return {"joint": {"seeds": {str(i): seed(v) for i, v in enumerate(joint)}},
+                "frozen": {"seeds": {str(i): seed(v) for i, v in enumerate(frozen)}}}
 
     assert gates.gate(arms([0.96, 0.95, 0.97], [0.3, 0.25, 0.28]))["verdict"] == "PASS"
     g = gates.gate(arms([0.99, 0.99, 0.89], [0.3, 0.25, 0.28]))
@@ -366,7 +371,8 @@ def test_the_pretrained_gate_is_judged_seed_by_seed():
     from crl.experiments import gates
 
     def arms(joint_final, frozen_final, start, last, audit="PASS"):
-        seed = lambda f, i0, l: {"final_eval": None if f is None else {"success": f}, "iter0_dev_success": i0, "final_dev_success": l, "audit": audit}  # noqa: E731
+        seed = lambda f, i0, l: {"final_eval": None if f is None else {"success": f}, "iter0_dev_success": i0, "final_dev_success": l,
+                                 "audit": audit}  # noqa: E731
         return {"joint": {"seeds": {str(k): seed(j, s, l) for k, (j, s, l) in enumerate(zip(joint_final, start, last))}},
                 "frozen": {"seeds": {str(k): seed(f, 0.1, 0.1) for k, f in enumerate(frozen_final)}}}
 
@@ -399,7 +405,8 @@ def keep_run(successes=42, holds=84, not_holding_successes=12, episodes=120, jud
 def keep_arms(joint=None, frozen=None, other=None, seeds=("1", "2")) -> dict:
     """Two seeds; seed "1" always at the defaults, seed "2" as given (each arm: keep_run's keywords)."""
     out = {}
-    for arm, kw, base in (("joint", joint, {}), ("frozen", frozen, {"holds": 54, "successes": 20}), ("no_cross_trajectory", other, {"holds": 40})):
+    for arm, kw, base in (("joint", joint, {}), ("frozen", frozen, {"holds": 54, "successes": 20}),
+                          ("no_cross_trajectory", other, {"holds": 40})):
         out[arm] = {"seeds": {k: keep_run(**{**base, **((kw or {}) if k == "2" else {})}) for k in seeds}}
     return out
 
@@ -421,11 +428,13 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     assert g["verdict"] == "PASS", g["checks"]
     c = g["checks"]
     assert c["joint_holds_minus_frozen"]["exact"] == "1/4" and c["joint_holds_minus_frozen"]["threshold_exact"] == "1/4"
-    assert c["joint_success_over_best_shortcut"]["exact"] == "3/20" and c["joint_success_over_best_shortcut"]["shortcut"] == "first_3_records"
+    assert (c["joint_success_over_best_shortcut"]["exact"] == "3/20"
+            and c["joint_success_over_best_shortcut"]["shortcut"] == "first_3_records")
     assert c["joint_success_over_best_shortcut"]["per_seed"]["2"]["counts"] == "42/120 - 1/5"
     assert c["joint_success_not_holding_over_chance"]["threshold_exact"] == "7/20" and g["shortcut"] == shortcut
     assert set(c) == {*KEEP_GATE, "all_audits_pass", "every_run_complete"}
-    fails = lambda arms, check: (g := judge(arms))["verdict"] == "FAIL" and not g["checks"][check]["pass"] and g["checks"][check]["per_seed"]["1"]["pass"]  # noqa: E731
+    fails = (lambda arms, check: (g := judge(arms))["verdict"] == "FAIL" and not g["checks"][check]["pass"]
+             and g["checks"][check]["per_seed"]["1"]["pass"])  # noqa: E731
 
     # holds >= 1/2: 60/120 passes, 59/120 fails (frozen below it by 1/4 or more)
     assert judge(keep_arms(joint={"holds": 60}, frozen={"holds": 30}))["verdict"] == "PASS"
@@ -438,7 +447,8 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     assert judge(keep_arms(joint={"holds": 100, "not_holding_successes": 7}, frozen={"holds": 70}))["verdict"] == "PASS"
     assert fails(keep_arms(joint={"holds": 100, "not_holding_successes": 8}, frozen={"holds": 70}), "joint_success_not_holding_over_chance")
     every = judge(keep_arms(joint={"holds": 120, "not_holding_successes": 0}))  # every summary holds: no episode to judge
-    assert every["verdict"] == "PASS" and every["checks"]["joint_success_not_holding_over_chance"]["per_seed"]["2"]["note"].startswith("no episode")
+    assert (every["verdict"] == "PASS"
+            and every["checks"]["joint_success_not_holding_over_chance"]["per_seed"]["2"]["note"].startswith("no episode"))
 
     # every audit (the third arm's too), every dev evaluation, a summary block, the test split
     assert judge(keep_arms(other={"audit": "FAIL"}))["checks"]["all_audits_pass"]["pass"] is False
@@ -455,9 +465,11 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     assert keep_gate({"joint": {"seeds": {}}}, chance=Fraction(1, 4), shortcut=shortcut, iterations={}) is None
     stale = keep_arms()
     stale["joint"]["seeds"]["2"]["final_eval"]["iteration"] = 1  # a carried row evaluated before its last iteration
-    assert judge(stale)["checks"]["every_run_complete"]["missing"] == ["joint seed 2: its final evaluation is of iteration 1, not its last (2)"]
+    assert judge(stale)["checks"]["every_run_complete"]["missing"] == ["joint seed 2: its final evaluation is of iteration 1, not its last "
+                                                                       "(2)"]
     nothing_judged = judge(keep_arms(joint={"judged": 0, "holds": 0, "not_holding_successes": 0}))
-    assert nothing_judged["verdict"] == "FAIL" and nothing_judged["checks"]["joint_holds"]["per_seed"]["2"]["note"].startswith("no episode judged")
+    assert nothing_judged["verdict"] == "FAIL" and nothing_judged["checks"]["joint_holds"]["per_seed"]["2"]["note"].startswith("no episode "
+                                                                                                                               "judged")
 
     # secondary: joint - no_cross_trajectory per seed, a mean and a seeded bootstrap interval; an ordering only where it excludes 0
     sec = judge(keep_arms(other={"holds": 90}))["secondary"]
@@ -523,7 +535,8 @@ def test_the_clean_tree_check_leaves_out_only_what_the_study_writes(tmp_path, mo
 
     repo = tmp_path / "repo"
     repo.mkdir()
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    # noqa: E731
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)
     git("init", "-q")
     (repo / "code.py").write_text("x = 1\n")
     git("add", ".")
@@ -559,7 +572,8 @@ def test_the_keep_study_refuses_carry_without_export(tmp_path):
     lm_study.Study(["joint", "frozen"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", carry=report,
                    export=tmp_path / "kept")
     proc = subprocess.run([sys.executable, "scripts/lm_study.py", "--arms", "joint", "frozen", "--seeds", "1", "--out", str(tmp_path / "o"),
-                           "--config-dir", str(KEEP_QUICK), "--gate", "keep", "--carry", str(report)], cwd=ROOT, capture_output=True, text=True)
+                           "--config-dir", str(KEEP_QUICK), "--gate", "keep", "--carry", str(report)], cwd=ROOT, capture_output=True,
+                           text=True)
     assert proc.returncode == 2 and "pass --export DIR" in proc.stderr, proc.stderr
 
 
@@ -576,7 +590,8 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
     from crl.io import sha256_file
 
     out, export = tmp_path / "study", tmp_path / "export"
-    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--config-dir", str(KEEP_QUICK), "--arms", "joint", "frozen", "no_cross_trajectory",
+    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--config-dir", str(KEEP_QUICK), "--arms", "joint", "frozen",
+           "no_cross_trajectory",
            "--seeds", "7", "--gate", "keep", "--final-split", "test", "--export", str(export), "--parallel", "1", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -586,9 +601,11 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
     report = json.loads((out / "report.json").read_text())
     g = report["gate"]
     assert report["gate_name"] == "keep" and g["verdict"] in ("PASS", "FAIL")
-    assert set(g["checks"]) == {*KEEP_GATE, "all_audits_pass", "every_run_complete"} and g["checks"]["every_run_complete"]["pass"], g["checks"]
+    assert set(g["checks"]) == {*KEEP_GATE, "all_audits_pass",
+                                "every_run_complete"} and g["checks"]["every_run_complete"]["pass"], g["checks"]
     test_prices = prices_table(load_config(KEEP_QUICK / "joint.yaml"), splits=("test",))["splits"]["test"]
-    assert g["shortcut"]["name"] == test_prices["best_shortcut"] and g["shortcut"]["price_exact"] == test_prices["best_shortcut_price_exact"]
+    assert (g["shortcut"]["name"] == test_prices["best_shortcut"]
+            and g["shortcut"]["price_exact"] == test_prices["best_shortcut_price_exact"])
     assert g["chance"] == {"value": 0.25, "exact": "1/4"} and report["task"]["chance"] == 0.25 and report["task"]["n_values"] == 4
     for quantity in ("success", "holds_frac"):
         assert isinstance(g["secondary"][quantity]["interval_excludes_0"], bool) and g["secondary"][quantity]["seeds"] == 1
@@ -598,9 +615,11 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
         assert s["audit"] == "PASS" and s["final_eval"]["split"] == "test" and "episodes_judged" in s["final_eval"]["summary"], arm
         assert [it for it, _ in s["curve"]] == [0, 1, 2] and report["trained_by"][f"{arm}_seed7"]["commit"] == HEAD
         kept = export / f"{arm}_seed7"
-        assert sorted(p.name for p in kept.iterdir()) == sorted(["config.yaml", "metrics.jsonl", "audit.json", "audit.md", "code.json", "curves.png",
+        assert sorted(p.name for p in kept.iterdir()) == sorted(["config.yaml", "metrics.jsonl", "audit.json", "audit.md", "code.json",
+                                                                 "curves.png",
                                                                  "eval_test_8.json", "timing.json", "summaries.jsonl"]), arm
-        assert s["files_sha256"] == {f: sha256_file(kept / f) for f in ("config.yaml", "audit.json", "eval_test_8.json")}  # what --carry checks
+        # what --carry checks
+        assert s["files_sha256"] == {f: sha256_file(kept / f) for f in ("config.yaml", "audit.json", "eval_test_8.json")}
         decoded = [json.loads(line) for line in (kept / "summaries.jsonl").read_text().splitlines()]
         assert [d["iteration"] for d in decoded] == [0, 1] and all(d["task"] == "sequential_records" and "rows" in d for d in decoded)
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

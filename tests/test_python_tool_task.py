@@ -57,7 +57,8 @@ def episode(tok, model, task, script, *, timeout_s=2.0, max_steps=12, max_compac
     limits = SandboxLimits(timeout_s=timeout_s, max_output_bytes=max_output)
     tool = PythonTool(Sandbox(limits=limits, files=task.files), skip=is_final)
     reward = PythonTaskReward([task], Sandbox(limits=limits))
-    cfg = CompactionConfig(context_capacity=context, min_remaining=T_COMP, max_compactions=max_compactions, keep_recent=1, max_steps=max_steps)
+    cfg = CompactionConfig(context_capacity=context, min_remaining=T_COMP, max_compactions=max_compactions, keep_recent=1,
+                           max_steps=max_steps)
     env = TransformedEnv(ChatEnv(batch_size=(1,), input_mode="history", system_prompt="You write Python.", tokenizer=tok),
                          CompactionTransform(tok, cfg, MAX_NEW, tool, reward))
     wrapper = TransformersWrapper(model, tokenizer=tok, input_mode="history", generate=True, return_log_probs=True, prefer_tokens=True,
@@ -151,7 +152,8 @@ def test_the_tool_task_checks_the_syscall_filter_in_every_mode(tmp_path, monkeyp
 def run_and_audit(cmd, run_dir, timeout=900):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:] + audit.stderr[-2000:]
     return proc
 

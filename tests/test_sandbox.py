@@ -274,7 +274,8 @@ def test_fork_bomb_is_contained(bwrap):
     limits = SandboxLimits(timeout_s=2, max_processes=16)
     # a bomb that survives its own fork failures: it runs into the wall-clock timeout
     t = time.monotonic()
-    r = Sandbox(limits=limits).run(_set_comm(marker) + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    r = Sandbox(limits=limits).run(_set_comm(marker) + "import os\nwhile True:\n    try:\n        os.fork()\n"
+                                   "    except OSError:\n        pass\n")
     assert r.timed_out and r.returncode is None, r
     assert time.monotonic() - t < 2 + 3
     assert r.as_observation().endswith("[timed out after 2.0 s]")
@@ -370,7 +371,8 @@ def test_non_root_caller(bwrap, tmp_path):
             sys.path.insert(0, {str(work)!r})
             from crl.sandbox import Sandbox, SandboxLimits
             sb = Sandbox(python=sys.executable, limits=SandboxLimits(max_processes=8), files={{"a.txt": "A"}})
-            fork = sb.run("import os, time\\nn = 0\\ntry:\\n    while n < 100:\\n        if os.fork() == 0:\\n            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    pass\\nprint(n)")
+            fork = sb.run("import os, time\\nn = 0\\ntry:\\n    while n < 100:\\n        if os.fork() == 0:\\n"
+                          "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    pass\\nprint(n)")
             write = sb.run("import os\\nprint(sorted(os.listdir('.')), os.getuid())\\nopen({str(target)!r}, 'w')")
             print(json.dumps([fork.stdout, write.stdout, write.stderr]))
         """)
@@ -604,7 +606,8 @@ _KERNEL_SYSCALL_NUMBERS = {
     "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
     "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
     "swapoff": (168, 225), "reboot": (169, 142), "memfd_create": (319, 279), "clone": (56, 220), "clone3": (435, 435),
-    "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "chroot": (161, 51), "personality": (135, 92),
+    "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "chroot": (161, 51),
+    "personality": (135, 92),
     "mount_setattr": (442, 442), "open_tree_attr": (467, 467),
 }
 # include/uapi/linux/sched.h
@@ -1156,7 +1159,8 @@ _MOUNTINFO_V1 = """\
      (1, {"memory": Path("/sys/fs/cgroup/memory/job")})),
     ("0::/user.slice/run-1.scope\n", "40 24 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n",
      (2, {"memory": Path("/sys/fs/cgroup/user.slice/run-1.scope"), "pids": Path("/sys/fs/cgroup/user.slice/run-1.scope")})),
-    ("0::/\n", "40 24 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", (2, {"memory": Path("/sys/fs/cgroup"), "pids": Path("/sys/fs/cgroup")})),
+    ("0::/\n", "40 24 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+     (2, {"memory": Path("/sys/fs/cgroup"), "pids": Path("/sys/fs/cgroup")})),
     ("1:cpu:/\n", _MOUNTINFO_V1, "no memory cgroup controller"),
     ("4:memory:/x\n", "32 24 0:28 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n", "not mounted"),
 ])

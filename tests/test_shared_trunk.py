@@ -120,7 +120,8 @@ def test_critic_coef_and_separate_losses_are_refused_without_a_shared_trunk():
         load_config(ROOT / "configs" / "default.yaml", ["algo.critic_coef=0.5"])
     with pytest.raises(ConfigValidationError, match="algo.critic_coef"):
         load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", "algo.critic_coef=0"])
-    load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "algo.separate_losses=true"])
+    load_config(ROOT / "configs" / "default.yaml",
+                ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "algo.separate_losses=true"])
 
 
 def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_micro_batch_of_each_policy_step(tmp_path):
@@ -167,7 +168,8 @@ def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_m
 def _metrics(run_dir):
     keep = ("train/reward", "policy/approx_kl", "policy/loss_objective", "critic/loss_critic", "critic/explained_variance",
             "grad_norm/actor", "grad_norm/critic")
-    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"} for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"}
+            for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
-"""The sweep runner, crl.experiments.sweep with scripts/sweep.py on top: the statistics against independent computations, and ``--quick`` end to end (4 runs:
+"""The sweep runner, crl.experiments.sweep with scripts/sweep.py on top: the statistics against independent computations, and ``--quick``
+end to end (4 runs:
 2 seeds x kernels default / avx2, each audited; the kernel really reached the training process; the report's
 aggregates recomputed from its rows; resume retrains nothing, also from a run carried as four files, which a sweep with
-other settings refuses; ``--report-only``; ``--carry`` from a report; the commit that trained each run) and the rule that a run is reused only
+other settings refuses; ``--report-only``; ``--carry`` from a report; the commit that trained each run) and the rule that a run is reused
+only
 under the settings it ran with."""
 import json
 import math
@@ -134,15 +136,18 @@ def test_mean_bootstrap_matches_a_hand_loop():
     rng = np.random.default_rng(7)
     draws = rng.integers(0, len(x), (3000, len(x)))
     means = [sum(x[int(i)] for i in row) / len(x) for row in draws]
-    assert stats.mean_ci(x, resamples=3000, seed=7) == pytest.approx([percentile_by_hand(means, 2.5), percentile_by_hand(means, 97.5)], abs=1e-12)
+    assert stats.mean_ci(x, resamples=3000, seed=7) == pytest.approx([percentile_by_hand(means, 2.5), percentile_by_hand(means, 97.5)],
+                                                                     abs=1e-12)
     assert stats.mean_ci([0.2, 0.2, 0.2]) == pytest.approx([0.2, 0.2])
 
 
 def test_cli_refuses_ambiguous_arms():
-    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--config", "configs/study/joint.yaml", "configs/study96/joint.yaml", "--out", "unused"],
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--config", "configs/study/joint.yaml", "configs/study96/joint.yaml",
+                           "--out", "unused"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "two arms named 'joint'" in proc.stderr
-    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--seeds", "3-1", "--out", "unused"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--seeds", "3-1", "--out", "unused"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--seeds" in proc.stderr
     assert not (ROOT / "unused").exists()
 
@@ -157,11 +162,13 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     marks a missing seed NOT RUN. On a machine torch cannot run AVX2 on, the sweep must refuse before training."""
     out = tmp_path / "sweep"
     cmd = [sys.executable, "scripts/sweep.py", "--quick", "--final-episodes", "8", "--out", str(out)]
-    avx2 = subprocess.run([sys.executable, "-c", "import torch; torch.randn(4096).exp().sum().item(); print(torch.backends.cpu.get_cpu_capability())"],
+    avx2 = subprocess.run([sys.executable, "-c",
+                           "import torch; torch.randn(4096).exp().sum().item(); print(torch.backends.cpu.get_cpu_capability())"],
                           cwd=ROOT, env=dict(ENV, ATEN_CPU_CAPABILITY="avx2"), capture_output=True, text=True, timeout=300)
     if avx2.returncode != 0 or avx2.stdout.strip() != "AVX2":
         refused = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-        assert refused.returncode != 0 and "kernel avx2" in refused.stderr and not (out / "runs").exists(), refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert (refused.returncode != 0 and "kernel avx2" in refused.stderr
+                and not (out / "runs").exists()), refused.stdout[-2000:] + refused.stderr[-2000:]
         pytest.skip(f"torch cannot run AVX2 kernels here ({avx2.stdout.strip() or avx2.stderr[-200:]!r}); the sweep refused kernel avx2")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
@@ -175,7 +182,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     assert report["kernels"] == {"default": {"ATEN_CPU_CAPABILITY": None}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"}}
     # what torch picks here with the variable unset, asked from a fresh process
     native = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"], cwd=ROOT,
-                            env={k: v for k, v in ENV.items() if k != "ATEN_CPU_CAPABILITY"}, capture_output=True, text=True, timeout=300).stdout.strip()
+                            env={k: v for k, v in ENV.items() if k != "ATEN_CPU_CAPABILITY"}, capture_output=True, text=True,
+                            timeout=300).stdout.strip()
     assert native
     for r in runs:
         name = f"default_seed{r['seed']}_{r['kernel']}"
@@ -193,7 +201,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
         assert [it for it, _ in r["curve"]] == [0, 1, 2] and all(0 <= v <= 1 for _, v in r["curve"])
         assert r["iter0_dev_success"] == r["curve"][0][1] and r["final_dev_success"] == r["curve"][-1][1] and r["final_iteration"] == 2
         assert r["iterations_to_threshold"] == next((it for it, v in r["curve"] if v >= 0.9), None)
-        assert r["final_eval"]["episodes"] == 8 and r["final_eval"]["iteration"] == 2 and r["final_eval_success"] == r["final_eval"]["success"]
+        assert (r["final_eval"]["episodes"] == 8 and r["final_eval"]["iteration"] == 2
+                and r["final_eval_success"] == r["final_eval"]["success"])
         assert set(r["diagnostics"]) <= set(run_files.DIAGNOSTICS) and r["train_wall_s"] > 0
         assert r["overrides"] == sweep.QUICK
         # the code that trained it: this checkout's commit (code.json, written before the launch)
@@ -212,7 +221,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
 
         starts = [r["iter0_dev_success"] for r in rows]
         return {"runs": len(rows), "audits_pass": sum(r["audit"] == "PASS" for r in rows),
-                "reached_threshold": sum(any(v >= 0.9 for _, v in r["curve"]) for r in rows), "iter0_dev_success_mean": sum(starts) / len(starts),
+                "reached_threshold": sum(any(v >= 0.9 for _, v in r["curve"]) for r in rows),
+                "iter0_dev_success_mean": sum(starts) / len(starts),
                 "final_dev_success": stats_by_hand(strata("final_dev_success"), 0.9),
                 "final_eval_success": stats_by_hand(strata("final_eval_success"), 0.9)}
 
@@ -248,10 +258,13 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
         os.utime(carried / "runs" / name / f, (1e9 + i, 1e9 + i))  # metrics.jsonl newest
     moved = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes", "8",
                             "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert moved.returncode == 0 and "finished earlier" in moved.stdout and "start " not in moved.stdout, moved.stdout[-2000:] + moved.stderr[-2000:]
+    assert (moved.returncode == 0 and "finished earlier" in moved.stdout
+            and "start " not in moved.stdout), moved.stdout[-2000:] + moved.stderr[-2000:]
     row = json.loads((carried / "report.json").read_text())["runs"][0]
-    refused = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes", "8",
-                              "--set", "algo.gamma=0.5", "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    refused = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes",
+                              "8",
+                              "--set", "algo.gamma=0.5", "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=600)
     assert refused.returncode == 1 and "algo.gamma: 1.0 -> 0.5" in refused.stderr and "start " not in refused.stdout, refused.stderr[-2000:]
     assert (row["curve"], row["final_eval"], row["audit"]) == (rows2[name]["curve"], rows2[name]["final_eval"], "PASS")
     # a metrics.jsonl the audit did not hash (a resumed run appended to it) makes the audit stale
@@ -266,7 +279,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     assert only.returncode == 1 and "not run: default seed 2" in only.stdout and "start " not in only.stdout, only.stdout[-2000:]
     rows3 = {r["name"]: r for r in json.loads((out / "report.json").read_text())["runs"]}
     assert set(rows3) == {"default_seed0_default", "default_seed2_default"}
-    assert rows3["default_seed0_default"]["curve"] == rows2["default_seed0_default"]["curve"] and rows3["default_seed0_default"]["audit"] == "PASS"
+    assert (rows3["default_seed0_default"]["curve"] == rows2["default_seed0_default"]["curve"]
+            and rows3["default_seed0_default"]["audit"] == "PASS")
     assert rows3["default_seed2_default"]["audit"] == "NOT RUN" and rows3["default_seed2_default"]["curve"] == []
     assert json.loads((out / "report.json").read_text())["aggregates"]["overall"]["final_dev_success"]["n"] == 1
     assert not (out / "runs" / "default_seed2_default").exists()
@@ -274,17 +288,22 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     # --carry: the report's finished rows stand in for runs whose directories are gone (a study moved machines); its
     # NOT RUN row does not; nothing trains; settings that differ from the carried run's are refused, naming them
     moved = tmp_path / "moved"
-    base = [sys.executable, "scripts/sweep.py", "--quick", "--kernels", "default", "--final-episodes", "8", "--carry", str(out / "report.json"),
+    base = [sys.executable, "scripts/sweep.py", "--quick", "--kernels", "default", "--final-episodes", "8", "--carry",
+            str(out / "report.json"),
             "--out", str(moved)]
     part = subprocess.run([*base, "--seeds", "0", "2", "--report-only"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert part.returncode == 1 and "carry  default seed 0" in part.stdout and "not run: default seed 2" in part.stdout, part.stdout[-2000:]
     rows4 = {r["name"]: r for r in json.loads((moved / "report.json").read_text())["runs"]}
     assert {k: v for k, v in rows4["default_seed0_default"].items() if k != "carried_from"} == rows3["default_seed0_default"]
-    assert rows4["default_seed0_default"]["carried_from"] == str(out / "report.json") and rows4["default_seed2_default"]["audit"] == "NOT RUN"
+    assert (rows4["default_seed0_default"]["carried_from"] == str(out / "report.json")
+            and rows4["default_seed2_default"]["audit"] == "NOT RUN")
     whole = subprocess.run([*base, "--seeds", "0"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0 and "start " not in whole.stdout and not (moved / "runs").exists(), whole.stdout[-2000:] + whole.stderr[-2000:]
-    other = subprocess.run([*base, "--seeds", "0", "--set", "algo.gamma=0.5"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert other.returncode == 1 and "default seed 0 cannot stand in" in other.stderr and "algo.gamma=0.5" in other.stderr, other.stderr[-2000:]
+    assert (whole.returncode == 0 and "start " not in whole.stdout
+            and not (moved / "runs").exists()), whole.stdout[-2000:] + whole.stderr[-2000:]
+    other = subprocess.run([*base, "--seeds", "0", "--set", "algo.gamma=0.5"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)
+    assert (other.returncode == 1 and "default seed 0 cannot stand in" in other.stderr
+            and "algo.gamma=0.5" in other.stderr), other.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------ reuse: same settings or nothing
@@ -299,8 +318,11 @@ def finished_run(s, job, cfg_overrides=None) -> Path:
     run_dir.mkdir(parents=True)
     cfg = load_config(s.arms[job[0]], s.run_overrides(job) if cfg_overrides is None else cfg_overrides)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "dev/success": 0.25 * i}) + "\n" for i in range(cfg.train.iterations + 1)))
-    (run_dir / "audit.json").write_text(json.dumps({"verdict": "PASS", "files": [{"path": "metrics.jsonl", "sha256": sha256_file(run_dir / "metrics.jsonl")}]}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "dev/success": 0.25 * i}) + "\n"
+                                                   for i in range(cfg.train.iterations + 1)))
+    (run_dir / "audit.json").write_text(json.dumps({"verdict": "PASS",
+                                                    "files": [{"path": "metrics.jsonl",
+                                                               "sha256": sha256_file(run_dir / "metrics.jsonl")}]}))
     return run_dir
 
 
@@ -416,7 +438,8 @@ def committed_run(tmp_path, *recipe):
     from crl.io import sha256_file
 
     repo, out = tmp_path / "repo", tmp_path / "out"
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    # noqa: E731
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)
     repo.mkdir(parents=True)
     git("init", "-q")
     s = sweep.Sweep({"default": ROOT / "configs" / "default.yaml"}, [0], out, overrides=sweep.QUICK, final_episodes=8, final_split="test",
@@ -427,7 +450,8 @@ def committed_run(tmp_path, *recipe):
     kept.mkdir(parents=True)
     (kept / "config.yaml").write_text(to_yaml(load_config(s.arms["default"], [*s.run_overrides(job), *recipe])))
     (kept / "audit.json").write_text(json.dumps({"verdict": "PASS"}))
-    evaluation = {"run_dir": "x", "split": "test", "episodes": 8, "tasks": 60, "success": 0.25, "successes": 2, "stderr": 0.15, "iteration": 2,
+    evaluation = {"run_dir": "x", "split": "test", "episodes": 8, "tasks": 60, "success": 0.25, "successes": 2, "stderr": 0.15,
+                  "iteration": 2,
                   "wall_s": 1.0, "summary": {"episodes_judged": 8, "holds": 3, "success_not_holds": 0}}
     (kept / "eval_test_8.json").write_text(json.dumps(evaluation))
     git("add", ".")

@@ -263,7 +263,8 @@ def test_a_verifier_outside_the_transform_that_ends_an_episode_on_a_summary_is_r
         td = policy(td)
         td["tokens", "response"] = torch.tensor([tok.encode(text + "<|im_end|>", add_special_tokens=False)])
         td["tokens", "full"] = torch.cat([td["tokens", "prompt"].reshape(1, -1), td["tokens", "response"]], -1)
-        td["history"].full = td["history"].prompt.extend(History(role=[["assistant"]], content=[[text]], batch_size=(1, 1)), inplace=False, dim=-1)
+        td["history"].full = td["history"].prompt.extend(History(role=[["assistant"]], content=[[text]], batch_size=(1, 1)), inplace=False,
+                                                         dim=-1)
         return td
 
     def chat():
@@ -354,7 +355,8 @@ def chat_config(tmp_path, extra=()):
     base = [f"run_dir={tmp_path / 'run'}", "model.preset=llama-tiny", "model.max_action_tokens=12", "model.value_head_init=normal",
             "prompt.format=chat", "env.name=torchrl_chat", "env.factory=tests._chat_suite:make_suite", "compaction.context_capacity=900",
             "compaction.min_remaining=300", "compaction.max_compactions=2", "compaction.keep_recent=1", "compaction.max_steps=12",
-            "warm_start.enabled=false", "train.iterations=2", "train.episodes_per_batch=2", "train.policy_minibatches=1", "train.critic_warmup_iterations=0",
+            "warm_start.enabled=false", "train.iterations=2", "train.episodes_per_batch=2", "train.policy_minibatches=1",
+            "train.critic_warmup_iterations=0",
             "eval.every=1", "eval.episodes=2", "tools.sandbox=none", "logging.wandb_mode=disabled", *extra]
     return base
 
@@ -371,13 +373,15 @@ def test_trainer_trains_a_chat_env_suite_through_train_py_and_audits_pass(tmp_pa
     assert sum(r.get("episode/compactions", 0) for r in rows) > 0
     reuse = [r["perf/prompt_tokens_reused"] for r in rows if "perf/prompt_tokens_reused" in r]  # the prefix cache, wired in
     assert reuse and all(0.5 < x < 1 for x in reuse), reuse
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:]
     # resume: one more iteration continues from the newest checkpoint with fresh rollout ids
     cmd2 = [c if not c.startswith("train.iterations=") else "train.iterations=3" for c in cmd] + ["checkpoint.resume=force"]
     out = subprocess.run(cmd2, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0, audit.stdout[-3000:]
 
 
@@ -419,15 +423,18 @@ def test_two_ranks_under_accelerate_zero2_give_unique_rollout_ids_and_audit_pass
     overrides = [o for o in chat_config(tmp_path) if not o.startswith("train.iterations=")] + ["train.iterations=1", "eval.every=0"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml", "--num_processes", "2",
            "--main_process_port", str(free_port()), "scripts/train.py", "--config", "configs/default.yaml", *overrides]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+           "DS_ACCELERATOR": "cpu"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     from crl.episode import load_episodes
 
-    ids = [set(load_episodes(tmp_path / "run" / "evidence" / "iter_000000" / f"rank_{r}" / "rollout.pt")["rollout_id"].tolist()) for r in (0, 1)]
+    ids = [set(load_episodes(tmp_path / "run" / "evidence" / "iter_000000" / f"rank_{r}" / "rollout.pt")["rollout_id"].tolist())
+           for r in (0, 1)]
     assert ids[0] and ids[1] and not ids[0] & ids[1]
     assert all(i % 2 == 0 for i in ids[0]) and all(i % 2 == 1 for i in ids[1])
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:]
 
 

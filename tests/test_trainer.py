@@ -161,7 +161,8 @@ def test_one_iteration_end_to_end(tmp_path):
     make(run_dir).fit()
     last = metrics(run_dir)[-1]
     assert last["step"] == 1
-    for key in ("train/success", "episode/compactions", "critic/loss_critic", "grad_norm/critic", "dev/success", "perf/collect_tokens_per_s"):
+    for key in ("train/success", "episode/compactions", "critic/loss_critic", "grad_norm/critic", "dev/success",
+                "perf/collect_tokens_per_s"):
         assert key in last, key
     assert (run_dir / "curves.png").stat().st_size > 10_000
     ev = run_dir / "evidence" / "iter_000000" / "rank_0"
@@ -273,7 +274,8 @@ def test_a_failed_warm_start_is_cached_and_the_next_arm_fails_at_once(tmp_path, 
     from crl.warm_start import WarmStartError
 
     cache = tmp_path / "cache"
-    args = ["train.iterations=1", "warm_start.steps=4", "warm_start.stop_answer_p=1.0", "warm_start.probe_every=2", f"warm_start.cache_dir={cache}"]
+    args = ["train.iterations=1", "warm_start.steps=4", "warm_start.stop_answer_p=1.0", "warm_start.probe_every=2",
+            f"warm_start.cache_dir={cache}"]
     with pytest.raises(WarmStartError, match=r"after 4 steps .* answer probe is 0\.\d+ < warm_start\.stop_answer_p=1\.0") as first:
         make(tmp_path / "joint", *args).fit()
     built = []
@@ -344,7 +346,8 @@ def test_curriculum_compaction_steps_are_checked_at_load(stage, match):
     with pytest.raises(ConfigValidationError, match=r"train\.curriculum\[0\]\.compaction_steps.*" + match):
         load_config(ROOT / "configs" / "default.yaml", [f"train.curriculum=[{stage}]"])
     with pytest.raises(ConfigValidationError, match="for memory_chain and custom suites, not sequential_records"):
-        load_config(ROOT / "configs" / "default.yaml", ["env.name=sequential_records", "train.curriculum=[{length: 4, compaction_steps: [2]}]"])
+        load_config(ROOT / "configs" / "default.yaml",
+                    ["env.name=sequential_records", "train.curriculum=[{length: 4, compaction_steps: [2]}]"])
 
 
 def test_local_checkpoint_with_its_own_tokenizer(tmp_path):

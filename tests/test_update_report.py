@@ -126,7 +126,8 @@ def test_the_logged_metrics_follow_from_the_record():
     step's whole batch: ``step_metrics``; NaN left out), policy steps, grad norms, entropy per optimized token of each
     kind, learner throughput (passes: the values, the entropy pass, 2 critic steps, 3 policy epochs; a shared
     trunk's critic entries, the value head's norms per policy step, are no passes of their own: ``critic_passes``)."""
-    report = UpdateReport(grad_norms={"actor": [1.0, 3.0], "critic": [0.5, 0.5]}, behaviour_entropy={"execution": [6.0, 4], "summary": [0.0, 0]},
+    report = UpdateReport(grad_norms={"actor": [1.0, 3.0], "critic": [0.5, 0.5]},
+                          behaviour_entropy={"execution": [6.0, 4], "summary": [0.0, 0]},
                           entropy_pass=True, policy_steps=2, kl_stop=True, learner_s=2.0, critic_passes=2)
     report.policy.approx_kl += [1e-3, 3e-3]
     report.critic.explained_variance += [0.5, math.nan]

@@ -56,7 +56,8 @@ def teacher_forced_gap(lm, prompts, gens, params=PARAMS) -> float:
 
 def test_behaviour_log_probs_are_the_sampling_distributions(engine, lm):
     """Temperature and top-p applied, every sampled token including the first and the stop token."""
-    for params in (PARAMS, SamplingSpec(temperature=1.0, top_p=1.0, stop_token_ids=(2,)), SamplingSpec(temperature=0.6, top_p=0.8, stop_token_ids=(2,))):
+    for params in (PARAMS, SamplingSpec(temperature=1.0, top_p=1.0, stop_token_ids=(2,)),
+                   SamplingSpec(temperature=0.6, top_p=0.8, stop_token_ids=(2,))):
         gens = engine.generate(PROMPTS, [12, 12, 12], params)
         assert all(1 <= len(g.token_ids) <= 12 and len(g.log_probs) == len(g.token_ids) for g in gens)
         assert teacher_forced_gap(lm, PROMPTS, gens, params) < TOL
@@ -374,7 +375,8 @@ def test_weight_dirs_left_by_a_killed_run_are_removed(tmp_path):
     code = ("import os, signal, sys; from pathlib import Path; from crl.modules.vllm_backend import claim_weights_dir; "
             "d = Path(sys.argv[1]); d.mkdir(); (d / '000000.safetensors').write_bytes(b'x'); claim_weights_dir(d); "
             "os.kill(os.getpid(), signal.SIGKILL)")
-    proc = subprocess.run([sys.executable, "-c", code, str(killed)], env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    proc = subprocess.run([sys.executable, "-c", code, str(killed)],
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
     assert proc.returncode == -signal.SIGKILL and (killed / "owner").is_file()
     alive = tmp_path / "crl-weights-0-bbbb-machine0"
     alive.mkdir()

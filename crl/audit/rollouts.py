@@ -70,7 +70,8 @@ def check_trainable_set(ev: Evidence):
             if failed and drop:
                 dropped += 1
                 if present:
-                    problems.append(f"iter {it} rollout {rid} (FAILED): segments {present} are in training.pt although failed_episodes=drop")
+                    problems.append(f"iter {it} rollout {rid} (FAILED): segments {present} are in training.pt although "
+                                    "failed_episodes=drop")
             elif absent and not skipped:
                 problems.append(f"iter {it} rollout {rid} ({name}): segments {absent} are not in training.pt")
         if skipped and train:

@@ -179,7 +179,8 @@ class SequentialRecordsSuite(TaskSuite):
             raise ValueError(f"n_values must be in [2, 10], got {n_values}")
         if question_not_in_last and not askable_possible(n_keys, distractor_rate):
             raise ValueError(unaskable(n_keys, question_not_in_last))
-        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit,
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits,
+                         early_submit=early_submit,
                          invalid_command=invalid_command)
         self.n_records = n_records
         self.distractor_rate = distractor_rate

@@ -75,12 +75,14 @@ def check_committed(sweep, job, row: dict) -> None:
         committed = committed_sha256(path)
         if name not in hashes:
             raise SystemExit(f"{where} has no SHA-256 of its {name} in the report: a row is carried only with hashes that match the "
-                             f"committed run files ({rel(path)}). Train it here (drop it from the report) or carry a report written with hashes")
+                             f"committed run files ({rel(path)}). Train it here (drop it from the report) or carry a report written with "
+                             "hashes")
         if committed is None:
             raise SystemExit(f"{where}: {rel(path)} is not committed at HEAD: commit the exported run (its 'ready to commit' line) "
                              "before carrying its row, or train it here")
         if committed != hashes[name]:
-            raise SystemExit(f"{where}: {rel(path)} as committed has SHA-256 {committed[:16]}…, the report's row says {hashes[name][:16]}…: "
+            raise SystemExit(f"{where}: {rel(path)} as committed has SHA-256 {committed[:16]}…, the report's row says "
+                             f"{hashes[name][:16]}…: "
                              "the row is not the committed run's. Carry the report written with those files, or train it here")
     config = sweep.export / sweep.run_name(*job) / "config.yaml"
     recipe = sweep.recipe_changes(job, committed_bytes(config))
@@ -93,7 +95,8 @@ def check_committed(sweep, job, row: dict) -> None:
         raise SystemExit(f"{where}: the report's audit {row.get('audit')!r} is not the committed "
                          f"{rel(sweep.export / sweep.run_name(*job) / 'audit.json')}'s verdict")
     if sweep.final_episodes and final_eval_record(show(sweep.eval_file())) != row.get("final_eval"):
-        raise SystemExit(f"{where}: the report's final evaluation is not the committed {rel(sweep.export / sweep.run_name(*job) / sweep.eval_file())}")
+        raise SystemExit(f"{where}: the report's final evaluation is not the committed "
+                         f"{rel(sweep.export / sweep.run_name(*job) / sweep.eval_file())}")
 
 
 def export_run(study, job, result: dict) -> None:

@@ -23,7 +23,8 @@ def gate(arms: dict) -> dict | None:
     final evaluation fails it; the thresholds are constants of this module, never arguments."""
     if "joint" not in arms or "frozen" not in arms:
         return None
-    evals = {arm: [s["final_eval"]["success"] if s.get("final_eval") else None for s in arms[arm]["seeds"].values()] for arm in ("joint", "frozen")}
+    evals = {arm: [s["final_eval"]["success"] if s.get("final_eval") else None for s in arms[arm]["seeds"].values()]
+             for arm in ("joint", "frozen")}
     complete = all(v is not None for vs in evals.values() for v in vs)
     joint = [v for v in evals["joint"] if v is not None]
     frozen = [v for v in evals["frozen"] if v is not None]
@@ -32,8 +33,10 @@ def gate(arms: dict) -> dict | None:
     audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
     checks = {
         "joint_mean": {"value": jm, "threshold": GATE["joint_mean"], "pass": complete and jm >= GATE["joint_mean"]},
-        "joint_min": {"value": min(joint) if joint else None, "threshold": GATE["joint_min"], "pass": complete and min(joint) >= GATE["joint_min"]},
-        "joint_minus_frozen": {"value": jm - fm, "threshold": GATE["joint_minus_frozen"], "pass": complete and jm - fm >= GATE["joint_minus_frozen"]},
+        "joint_min": {"value": min(joint) if joint else None, "threshold": GATE["joint_min"], "pass": complete
+                      and min(joint) >= GATE["joint_min"]},
+        "joint_minus_frozen": {"value": jm - fm, "threshold": GATE["joint_minus_frozen"], "pass": complete
+                               and jm - fm >= GATE["joint_minus_frozen"]},
         "all_audits_pass": {"value": audits, "threshold": True, "pass": audits},
         "every_seed_evaluated": {"value": complete, "threshold": True, "pass": complete},
     }
@@ -57,9 +60,11 @@ def pretrained_gate(arms: dict) -> dict | None:
     audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
     low = lambda xs: min((x for x in xs if x is not None), default=None)  # noqa: E731
     checks = {
-        "joint_minus_frozen_every_seed": {"value": low(gaps), "per_seed": dict(zip(seeds, gaps)), "threshold": PRETRAINED_GATE["joint_minus_frozen_every_seed"],
+        "joint_minus_frozen_every_seed": {"value": low(gaps), "per_seed": dict(zip(seeds, gaps)),
+                                          "threshold": PRETRAINED_GATE["joint_minus_frozen_every_seed"],
                                           "pass": complete and low(gaps) >= PRETRAINED_GATE["joint_minus_frozen_every_seed"]},
-        "joint_gain_every_seed": {"value": low(gains), "per_seed": dict(zip(seeds, gains)), "threshold": PRETRAINED_GATE["joint_gain_every_seed"],
+        "joint_gain_every_seed": {"value": low(gains), "per_seed": dict(zip(seeds, gains)),
+                                  "threshold": PRETRAINED_GATE["joint_gain_every_seed"],
                                   "pass": complete and low(gains) >= PRETRAINED_GATE["joint_gain_every_seed"]},
         "all_audits_pass": {"value": audits, "threshold": True, "pass": audits},
         "every_seed_evaluated": {"value": complete, "threshold": True, "pass": complete},

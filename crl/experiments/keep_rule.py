@@ -74,7 +74,8 @@ def keep_gate(arms: dict, *, chance: Fraction, shortcut: dict, iterations: dict)
     seeds = sorted(set(joint) | set(frozen), key=int)
     missing = [f"{arm} seed {k}: {m}" for k in seeds for arm, runs in (("joint", joint), ("frozen", frozen))
                for m in run_missing(runs.get(k), iterations[arm])]
-    complete_seeds = [k for k in seeds if not run_missing(joint.get(k), iterations["joint"]) and not run_missing(frozen.get(k), iterations["frozen"])]
+    complete_seeds = [k for k in seeds if not run_missing(joint.get(k), iterations["joint"])
+                      and not run_missing(frozen.get(k), iterations["frozen"])]
     price = Fraction(shortcut["price_exact"])
 
     def holds(row) -> Fraction | None:
@@ -92,7 +93,8 @@ def keep_gate(arms: dict, *, chance: Fraction, shortcut: dict, iterations: dict)
         gap = hj - hf if hj is not None and hf is not None else None
         per["joint_holds_minus_frozen"][k] = {**_value(gap), "counts": f"{js['holds']}/{js['episodes_judged']} - "
                                               f"{f['final_eval']['summary']['holds']}/{f['final_eval']['summary']['episodes_judged']}",
-                                              **(none_judged if gap is None else {}), "pass": gap is not None and gap >= KEEP_GATE["joint_holds_minus_frozen"]}
+                                              **(none_judged if gap is None else {}), "pass": gap is not None
+                                              and gap >= KEEP_GATE["joint_holds_minus_frozen"]}
         not_holding = int(js["episodes_judged"]) - int(js["holds"])
         rate = _ratio(js["success_not_holds"], not_holding)
         per["joint_success_not_holding_over_chance"][k] = {
@@ -137,7 +139,8 @@ def keep_secondary(arms: dict, other: str = "no_cross_trajectory") -> dict:
                 "holds_frac": _ratio(s["holds"], s["episodes_judged"]) if s.get("episodes_judged") else None}
 
     out = {"compared_with": other, "split": KEEP_SPLIT,
-           "bootstrap": {"resamples": RESAMPLES, "seed": BOOTSTRAP_SEED, "confidence": 0.95, "statistic": "mean over seeds", "interval": "percentile"}}
+           "bootstrap": {"resamples": RESAMPLES, "seed": BOOTSTRAP_SEED, "confidence": 0.95, "statistic": "mean over seeds",
+                         "interval": "percentile"}}
     for quantity in ("success", "holds_frac"):
         per_seed = {}
         for k in sorted(set(joint) & set(them), key=int):

@@ -41,6 +41,7 @@ def machine() -> str:
 def capability_under(env: dict) -> str:
     """The CPU capability torch reports in a fresh process with environment ``env``, after a vectorised op (a
     capability the CPU lacks can be accepted, then die of an illegal instruction): its stderr's end when it dies."""
-    probe = subprocess.run([sys.executable, "-c", "import torch; torch.randn(4096).exp().sum().item(); print(torch.backends.cpu.get_cpu_capability())"],
+    probe = subprocess.run([sys.executable, "-c",
+                            "import torch; torch.randn(4096).exp().sum().item(); print(torch.backends.cpu.get_cpu_capability())"],
                            env=env, capture_output=True, text=True)
     return probe.stdout.strip() if probe.returncode == 0 else probe.stderr[-300:]

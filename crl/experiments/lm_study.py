@@ -57,8 +57,8 @@ Writes, atomically, ``DIR/report.json``::
 ``code`` per seed: the commit(s) and dirty-tree flag of the code that trained the run (``RUN_DIR/code.json``,
 ``"unknown"`` for a run trained before it was kept; ``trained_by`` lists them); at the top, the invocation's; in the
 gate, ``{"commits": [...], "dirty"}`` over the runs it judges. The keep gate adds ``"secondary"`` (joint -
-no_cross_trajectory, :func:`crl.experiments.keep_rule.keep_secondary`), ``"shortcut"`` (the best shortcut's exact test price, computed from the
-study's own config) and ``"chance"``; its checks are ``{"value", "exact", "threshold", "threshold_exact", "per_seed",
+no_cross_trajectory, :func:`crl.experiments.keep_rule.keep_secondary`), ``"shortcut"`` (the best shortcut's exact test price, computed from
+the study's own config) and ``"chance"``; its checks are ``{"value", "exact", "threshold", "threshold_exact", "per_seed",
 "pass"}`` (floats and ``"num/den"`` strings of the same fractions; per seed the counts compared).
 
 and ``DIR/curves.png``: for the chain and pretrained gates the sweep's plot (every seed's dev curve thin, per arm the
@@ -154,7 +154,8 @@ class Study(Sweep):
                         if c.env.name != "sequential_records"]
             problems += [f"no {arm} arm (--arms ... {arm})" for arm in ("joint", "frozen") if arm not in cfgs]
             if not self.final_episodes or self.final_split != KEEP_SPLIT:
-                problems.append(f"the rule reads each run's final {KEEP_SPLIT} evaluation: --final-split {KEEP_SPLIT} and --final-episodes > 0")
+                problems.append(f"the rule reads each run's final {KEEP_SPLIT} evaluation: --final-split {KEEP_SPLIT} and --final-episodes "
+                                "> 0")
             if problems:
                 raise SystemExit(f"{self.name}: --gate keep: {'; '.join(problems)}")
         return cfgs
@@ -199,7 +200,8 @@ class Study(Sweep):
         first = cfgs[first_arm]
         e, c = first.env, first.compaction
         base_file = self.config_dir / "base.yaml"
-        base = flatten(to_dict(load_config(base_file, self.run_overrides((first_arm, self.seeds[0], "default"))))) if base_file.is_file() else {}
+        base = flatten(to_dict(load_config(base_file,
+                                           self.run_overrides((first_arm, self.seeds[0], "default"))))) if base_file.is_file() else {}
         task = {
             "env": e.name, "keep_recent": c.keep_recent, "early_submit": e.early_submit, "chance": self.chance(first),
             "dev_episodes": first.eval.episodes, "final_eval_episodes": self.final_episodes, "final_eval_split": self.final_split,
@@ -225,7 +227,8 @@ class Study(Sweep):
             t = cfgs[arm].train
             arms[arm] = {
                 "config": {"file": rel(self.arms[arm]), "overrides": self.overrides,
-                           "differs_from_base": {k: v for k, v in flat.items() if k not in ("run_dir", "train.seed") and base.get(k, "<absent>") != v}},
+                           "differs_from_base": {k: v for k, v in flat.items() if k not in ("run_dir", "train.seed")
+                                                 and base.get(k, "<absent>") != v}},
                 "summary": {
                     "final_dev_success_mean": sum(finals) / len(finals) if finals else None,
                     "final_dev_success_min": min(finals) if finals else None,
@@ -233,7 +236,8 @@ class Study(Sweep):
                     "final_eval_success_mean": sum(evals) / len(evals) if evals else None,
                     "final_eval_success_min": min(evals) if evals else None,
                     # the standard error of the mean over seeds (sample standard deviation / sqrt(seeds))
-                    "final_eval_success_se": (math.sqrt(sum((x - sum(evals) / len(evals)) ** 2 for x in evals) / (len(evals) - 1) / len(evals))
+                    "final_eval_success_se": (math.sqrt(sum((x - sum(evals) / len(evals)) ** 2
+                                                            for x in evals) / (len(evals) - 1) / len(evals))
                                               if len(evals) > 1 else None),
                     # environment episodes each run trains on (the budget, equal across arms when they match)
                     "train_episodes_per_run": t.iterations * t.episodes_per_batch,
@@ -246,11 +250,13 @@ class Study(Sweep):
         comp = [r for r in rows if r["compactions_max"] is not None]
         return {
             "task": task,
-            "gate": gate(arms) if self.gate_name == "chain" else pretrained_gate(arms) if self.gate_name == "pretrained" else self.keep_rule(cfgs, arms),
+            "gate": gate(arms) if self.gate_name == "chain" else pretrained_gate(arms) if self.gate_name == "pretrained"
+            else self.keep_rule(cfgs, arms),
             "gate_name": self.gate_name,
             # the tree this report came from, and the code that trained each run (RUN_DIR/code.json; per seed as "code")
             "tree": getattr(self, "tree", None),
-            "trained_by": {r["name"]: {"commit": (r.get("code") or {}).get("commit", UNKNOWN), "dirty": (r.get("code") or {}).get("dirty", UNKNOWN)}
+            "trained_by": {r["name"]: {"commit": (r.get("code") or {}).get("commit", UNKNOWN),
+                                       "dirty": (r.get("code") or {}).get("dirty", UNKNOWN)}
                            for r in rows if not r.get("not_run")},
             "compactions_per_episode": int(round(max(r["compactions_max"] for r in comp))) if comp else 0,
             "compactions_per_episode_mean": sum(r["compactions_mean"] for r in comp) / len(comp) if comp else None,
@@ -274,7 +280,8 @@ class Study(Sweep):
         cfg = cfgs["joint"]
         row = prices_table(cfg, splits=(KEEP_SPLIT,))["splits"][KEEP_SPLIT]
         shortcut = {"name": row["best_shortcut"], "price": row["best_shortcut_price"], "price_exact": row["best_shortcut_price_exact"],
-                    "split": KEEP_SPLIT, "tasks": row["tasks"], "source": "crl.experiments.records_shortcuts.prices_table (the joint arm's config)"}
+                    "split": KEEP_SPLIT, "tasks": row["tasks"],
+                    "source": "crl.experiments.records_shortcuts.prices_table (the joint arm's config)"}
         self.keep_result = keep_gate(arms, chance=Fraction(1, cfg.env.n_values), shortcut=shortcut,
                                      iterations={arm: c.train.iterations for arm, c in cfgs.items()})
         return self.keep_result
@@ -313,7 +320,8 @@ class Study(Sweep):
             self.conclude_keep(report)
         elif report["gate"] is not None:
             g = report["gate"]
-            self.say(f"gate: {g['verdict']} (" + "; ".join(f"{k} {c['value']:.3f} vs {c['threshold']}" if isinstance(c["value"], float) else f"{k} {c['value']}"
+            self.say(f"gate: {g['verdict']} (" + "; ".join(f"{k} {c['value']:.3f} vs {c['threshold']}" if isinstance(c["value"], float)
+                                                           else f"{k} {c['value']}"
                                                          for k, c in g["checks"].items()) + f"; final evaluation on {self.final_split})")
 
     def conclude_keep(self, report: dict) -> None:
@@ -326,9 +334,11 @@ class Study(Sweep):
                 value = "n/a" if c["value"] is None else f"{c['value']:.3f} ({c['exact']})"
                 self.say(f"keep rule {name}: {value} vs {c['threshold_exact']} -> {'PASS' if c['pass'] else 'FAIL'} [{seeds}]")
             else:
-                self.say(f"keep rule {name}: {'PASS' if c['pass'] else 'FAIL'}" + (f" (missing: {'; '.join(c['missing'])})" if c.get("missing") else ""))
+                self.say(f"keep rule {name}: {'PASS' if c['pass'] else 'FAIL'}" + (f" (missing: {'; '.join(c['missing'])})"
+                                                                                   if c.get("missing") else ""))
         sc = g["shortcut"]
-        self.say(f"keep rule: {g['verdict']} (best shortcut on {sc['split']}: {sc['name']} {sc['price_exact']}; chance {g['chance']['exact']})")
+        self.say(f"keep rule: {g['verdict']} (best shortcut on {sc['split']}: {sc['name']} {sc['price_exact']}; chance "
+                 f"{g['chance']['exact']})")
         sec = g["secondary"]
         for q in ("success", "holds_frac"):
             if q in sec and sec[q]["mean"] is not None:

@@ -119,7 +119,8 @@ def prices_table(cfg, splits=("train", "dev", "test")) -> dict:
         raise ValueError(f"env.name is {cfg.env.name!r}: the shortcut prices are for sequential_records tasks")
     suite = build_suite(cfg)
     ks = tuple(range(1, max(3, cfg.env.question_not_in_last) + 1))
-    kwargs = dict(ks=ks, early_submit=cfg.env.early_submit, compact_after=cfg.env.compact_after_step, keep_recent=cfg.compaction.keep_recent)
+    kwargs = dict(ks=ks, early_submit=cfg.env.early_submit, compact_after=cfg.env.compact_after_step,
+                  keep_recent=cfg.compaction.keep_recent)
     rows = {}
     for split in splits:
         tasks = suite.tasks(split)
@@ -132,7 +133,8 @@ def prices_table(cfg, splits=("train", "dev", "test")) -> dict:
                        "recency_max": float(max(recency.values())), "recency_max_shortcut": max(recency, key=recency.get),
                        "best_shortcut": best, "best_shortcut_price": float(prices[best]), "best_shortcut_price_exact": exact(prices[best]),
                        "above_chance_plus_0.05": sorted(k for k, v in prices.items() if v > chance + Fraction(1, 20) and k != "everything")}
-    return {"env": {"n_records": suite.n_records, "n_keys": suite.n_keys, "n_values": suite.n_values, "distractor_rate": suite.distractor_rate,
+    return {"env": {"n_records": suite.n_records, "n_keys": suite.n_keys, "n_values": suite.n_values,
+                    "distractor_rate": suite.distractor_rate,
                     "question_not_in_last": suite.question_not_in_last, "early_submit": cfg.env.early_submit,
                     "compact_after_step": cfg.env.compact_after_step, "keep_recent": cfg.compaction.keep_recent},
             "ks": list(ks), "splits": rows}

@@ -20,7 +20,8 @@ AUDITOR = ROOT / "crl" / "audit"
 #: (a study carried to another directory) is the same run.
 LOCATION_KEYS = ("run_dir", "warm_start.cache_dir")
 #: Metrics shown (final value) when a run logs them: the summary channel and the warm start's probe.
-DIAGNOSTICS = ("summary/holds_frac", "policy/entropy_summary", "warm_start/answer_p_train", "warm_start/answer_p_summary", "warm_start/steps")
+DIAGNOSTICS = ("summary/holds_frac", "policy/entropy_summary", "warm_start/answer_p_train", "warm_start/answer_p_summary",
+               "warm_start/steps")
 
 
 def rel(path: Path) -> str:

@@ -171,7 +171,8 @@ class Sweep(SweepReport):
     def run_overrides(self, job) -> list[str]:
         arm, seed, _ = job
         # no progress bars in the log files (a --set logging.progress=true still wins: it comes later)
-        return [f"run_dir={self.run_dir(job)}", f"train.seed={seed}", "logging.progress=false", *self.extra_overrides(arm, seed), *self.overrides]
+        return [f"run_dir={self.run_dir(job)}", f"train.seed={seed}", "logging.progress=false", *self.extra_overrides(arm, seed),
+                *self.overrides]
 
     def run_env(self, kernel: str) -> dict:
         return self.env if KERNELS[kernel] is None else dict(self.env, ATEN_CPU_CAPABILITY=KERNELS[kernel])
@@ -267,8 +268,8 @@ class Sweep(SweepReport):
             (verdict, _, reused), final = self.audit(job), self.final_eval(job)
             n = self.finished()
             ev = f", final eval {final['success']:.3f}" if final else ""
-            self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs) - len(self.carried)}): finished earlier (its config, metrics, audit and final "
-                     f"evaluation agree), audit {verdict} ({'reused' if reused else 'again: made by other auditor code'}){ev}")
+            self.say(f"finish {self.label(*job)} ({n}/{len(self.jobs) - len(self.carried)}): finished earlier (its config, metrics, audit "
+                     f"and final evaluation agree), audit {verdict} ({'reused' if reused else 'again: made by other auditor code'}){ev}")
             return {"audit": verdict, "final_eval": final, **timing}
         self.say(f"start  {self.label(*job)} -> {run_dir}")
         if read_run(run_dir, self.threshold)["final_iteration"] != self.cfgs[arm].train.iterations:  # it will train: with this code
@@ -279,13 +280,15 @@ class Sweep(SweepReport):
         with open(logs.with_suffix(".train.log"), "a") as log:
             log.write(f"\n$ {'' if KERNELS[kernel] is None else f'ATEN_CPU_CAPABILITY={KERNELS[kernel]} '}{shown}\n")
             log.flush()
-            rc = subprocess.run([sys.executable, "-c", TRAIN, *train], cwd=ROOT, env=self.run_env(kernel), stdout=log, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run([sys.executable, "-c", TRAIN, *train], cwd=ROOT, env=self.run_env(kernel), stdout=log,
+                                stderr=subprocess.STDOUT).returncode
         train_s = time.perf_counter() - t0
         text = logs.with_suffix(".train.log").read_text()
         skipped = rc == 0 and "already complete" in text.rsplit("\n$ ", 1)[-1]
         if rc != 0:
             tail = " | ".join(text.strip().splitlines()[-3:])
-            self.say(f"FAILED {self.label(*job)}: scripts/train.py exit {rc} after {train_s:.0f} s (log {logs.with_suffix('.train.log')}): {tail[-300:]}")
+            self.say(f"FAILED {self.label(*job)}: scripts/train.py exit {rc} after {train_s:.0f} s (log {logs.with_suffix('.train.log')}): "
+                     f"{tail[-300:]}")
             self.finished()
             return {"error": f"train exit {rc}", "audit": "FAIL"}
         if not skipped:
@@ -334,7 +337,8 @@ class Sweep(SweepReport):
         (:meth:`check_reuse` refused any other before this); a run without one is not reused."""
         run_dir = self.run_dir(job)
         return ((run_dir / "config.yaml").is_file() and not self.config_changes(job)
-                and read_run(run_dir, self.threshold)["final_iteration"] == self.cfgs[job[0]].train.iterations and audit_covers_metrics(run_dir)
+                and read_run(run_dir, self.threshold)["final_iteration"] == self.cfgs[job[0]].train.iterations
+                and audit_covers_metrics(run_dir)
                 and (not self.final_episodes or self.eval_current(job)))
 
     def eval_file(self) -> str:
@@ -398,7 +402,8 @@ class Sweep(SweepReport):
         self.carried = carry_rows(self) if self.carry else {}
         todo = [job for job in self.jobs if job not in self.carried]
         for job, row in self.carried.items():
-            self.say(f"carry  {self.label(*job)} from {rel(self.carry)}: audit {row['audit']}, trained by {row.get('code', {}).get('commit', UNKNOWN)}")
+            self.say(f"carry  {self.label(*job)} from {rel(self.carry)}: audit {row['audit']}, trained by "
+                     f"{row.get('code', {}).get('commit', UNKNOWN)}")
         self.code_state = git_state(ROOT, ignore=tuple(self.outputs()))
         self.out.mkdir(parents=True, exist_ok=True)
         self.say(f"{len(self.jobs)} runs ({', '.join(self.arms)} x seeds {' '.join(map(str, self.seeds))}"
@@ -421,7 +426,8 @@ class Sweep(SweepReport):
         self.plot(rows, self.out / "curves.png", self.title(report), self.common_chance(cfgs))
         self.print_table(rows)
         self.conclude(report)
-        ok = all(r.get("audit") == "PASS" and "error" not in r and not r.get("not_run") for r in [*results.values(), *self.carried.values()])
+        ok = all(r.get("audit") == "PASS" and "error" not in r and not r.get("not_run")
+                 for r in [*results.values(), *self.carried.values()])
         self.say(f"wrote {self.out / 'report.json'} and {self.out / 'curves.png'} in {time.perf_counter() - t0:.0f} s; "
                  f"{'all runs trained and audited PASS' if ok else 'SOME RUNS FAILED (see above)'}")
         return 0 if ok else 1

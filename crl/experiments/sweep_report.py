@@ -27,8 +27,8 @@ Writes, atomically, ``DIR/report.json`` (keys sorted)::
             "dirty": bool | "unknown" (true if any launch was), "launches": [{"commit", "dirty", "iteration", "time"}, ...]}
 
 (``cells``, one per (arm, kernel), only when the sweep has several of both.) ``diagnostics`` holds the final value
-of each of :data:`crl.experiments.run_files.DIAGNOSTICS` the run's ``metrics.jsonl`` has. The statistics (:mod:`crl.experiments.stats`) follow
-rliable (Agarwal et al. 2021, "Deep Reinforcement Learning at the Edge of the Statistical Precipice"): the IQM and a
+of each of :data:`crl.experiments.run_files.DIAGNOSTICS` the run's ``metrics.jsonl`` has. The statistics (:mod:`crl.experiments.stats`)
+follow rliable (Agarwal et al. 2021, "Deep Reinforcement Learning at the Edge of the Statistical Precipice"): the IQM and a
 95 % stratified-bootstrap percentile interval, strata = the (arm, kernel) cells. And ``DIR/curves.png``: every run's
 dev curve as a thin line, per (arm, kernel) group the mean line and the min-max band, a diamond right of the curves
 with the group's final IQM and its 95 % interval, chance dashed, the threshold dotted.
@@ -69,12 +69,14 @@ class SweepReport:
             log = self.log_base(job).with_suffix(".train.log")
             found = CAPABILITY.findall(log.read_text()) if log.is_file() else []
             row = {"name": self.run_name(*job), "arm": arm, "seed": seed, "kernel": kernel, "config": rel(self.arms[arm]),
-                   "overrides": [*self.extra_overrides(arm, seed), *self.overrides], "run_dir": str(self.run_dir(job).relative_to(self.out)),
+                   "overrides": [*self.extra_overrides(arm, seed), *self.overrides],
+                   "run_dir": str(self.run_dir(job).relative_to(self.out)),
                    "aten_cpu_capability": KERNELS[kernel], "cpu_capability": found[-1] if found else None, **run,
                    "code": run_code(self.run_dir(job)), **results.get(job, {})}
             row["final_eval_success"] = row["final_eval"]["success"] if row.get("final_eval") else None
             if not row.get("not_run"):  # what a carried copy of this row must match in the committed run files
-                row["files_sha256"] = {f: sha256_file(self.run_dir(job) / f) for f in self.evidence_files() if (self.run_dir(job) / f).is_file()}
+                row["files_sha256"] = {f: sha256_file(self.run_dir(job) / f) for f in self.evidence_files()
+                                       if (self.run_dir(job) / f).is_file()}
             rows.append(row)
         return rows
 
@@ -103,7 +105,8 @@ class SweepReport:
             "wall_s": round(wall_s, 1), "quick": self.quick, "threshold": self.threshold, "code": self.code_state,
             "chance": self.common_chance(cfgs), "seeds": self.seeds,
             "kernels": {k: {"ATEN_CPU_CAPABILITY": KERNELS[k]} for k in self.kernels},
-            "configs": {arm: {"file": rel(self.arms[arm]), "overrides": self.overrides, "chance": self.chance(c), "iterations": c.train.iterations,
+            "configs": {arm: {"file": rel(self.arms[arm]), "overrides": self.overrides, "chance": self.chance(c),
+                              "iterations": c.train.iterations,
                               "eval_every": c.eval.every, "dev_episodes": c.eval.episodes} for arm, c in cfgs.items()},
             "final_eval": {"episodes": self.final_episodes, "split": self.final_split} if self.final_episodes else None,
             "bootstrap": BOOTSTRAP,
@@ -131,10 +134,11 @@ class SweepReport:
             lines.append(f"{r['name']:{w}s} {fmt(r['iter0_dev_success']):>6s} {fmt(r['final_dev_success']):>6s} "
                          f"{'never' if to is None and r['curve'] else fmt(to, 'd'):>9s} {fmt(r.get('train_wall_s'), '.0f'):>8s} "
                          f"{r['audit']:>7s} {d(r, 'summary/holds_frac'):>6s} {d(r, 'policy/entropy_summary'):>6s} "
-                         f"{d(r, 'warm_start/steps', '.0f'):>8s} {d(r, 'warm_start/answer_p_train'):>7s} {d(r, 'warm_start/answer_p_summary'):>8s}  "
-                         f"{r['cpu_capability'] or '-'}")
+                         f"{d(r, 'warm_start/steps', '.0f'):>8s} {d(r, 'warm_start/answer_p_train'):>7s} "
+                         f"{d(r, 'warm_start/answer_p_summary'):>8s}  {r['cpu_capability'] or '-'}")
         lines.append("holds, H_sum: final summary/holds_frac, policy/entropy_summary; ws steps, ws p_tr, ws p_sum: warm_start/steps, "
-                     "warm_start/answer_p_train (last probe), warm_start/answer_p_summary; cpu: torch's capability in the run; -: not logged")
+                     "warm_start/answer_p_train (last probe), warm_start/answer_p_summary; cpu: torch's capability in the run; -: not "
+                     "logged")
         with self.lock:
             print("\n".join(lines), flush=True)
 
@@ -148,5 +152,7 @@ class SweepReport:
                 s = g[key]
                 if s is not None:
                     self.say(f"{name}: {key} mean {s['mean']:.3f} [min {s['min']:.3f}, max {s['max']:.3f}], IQM {s['iqm']:.3f} "
-                             f"(95% CI {s['iqm_ci95'][0]:.3f}-{s['iqm_ci95'][1]:.3f}), >= {self.threshold:g}: {s['frac_at_least_threshold']:.2f} of {s['n']}")
-            self.say(f"{name}: audits {g['audits_pass']}/{g['runs']} PASS, reached {self.threshold:g} in {g['reached_threshold']}/{g['runs']}")
+                             f"(95% CI {s['iqm_ci95'][0]:.3f}-{s['iqm_ci95'][1]:.3f}), >= {self.threshold:g}: "
+                             f"{s['frac_at_least_threshold']:.2f} of {s['n']}")
+            self.say(f"{name}: audits {g['audits_pass']}/{g['runs']} PASS, reached {self.threshold:g} in "
+                     f"{g['reached_threshold']}/{g['runs']}")

@@ -16,9 +16,9 @@ critic and the sampler, :mod:`crl.experiments.tabular_policy`. What a run is (st
 protocol): :mod:`crl.experiments.tabular_arms`.
 
 Training (one run = one arm × one seed): per iteration, the collector plays and validates a batch of episodes
-on train tasks; then the critic and :class:`CrossTrajectoryGAE`, then ``ppo_epochs`` (default 1, docs/design.md §10) full-batch :class:`CompactionPPOLoss`
-updates with Adam. A staged curriculum (docs/design.md §10) moves from short chains without compaction to one, two
-and finally the 96-step chain with three forced compactions, advancing when the training reward reaches a
+on train tasks; then the critic and :class:`CrossTrajectoryGAE`, then ``ppo_epochs`` (default 1, docs/design.md §10) full-batch
+:class:`CompactionPPOLoss` updates with Adam. A staged curriculum (docs/design.md §10) moves from short chains without compaction to one,
+two and finally the 96-step chain with three forced compactions, advancing when the training reward reaches a
 threshold or a stage's iteration budget is spent. Evaluation is always on held-out 96-step episodes (the
 ``dev`` split for the learning curve, the ``test`` split for the final accuracy), with sampled decisions.
 

@@ -249,8 +249,8 @@ class TabularBackend:
     """A :class:`~crl.modules.generation.GenerationBackend` over a :class:`TabularPolicy`: one token per prompt.
 
     With ``(kind, q, v)`` = :func:`decision_features` of a prompt (= :func:`prefix_features` at position
-    ``len(prompt)``, the decision that follows it), a prompt ending in ``<summarize>`` (q_sum) gets a summary word and one ending where the policy
-    acts (after an observation, the task prompt or the resume suffix) an action word, drawn from
+    ``len(prompt)``, the decision that follows it), a prompt ending in ``<summarize>`` (q_sum) gets a summary word and one ending where the
+    policy acts (after an observation, the task prompt or the resume suffix) an action word, drawn from
 
     .. math::
 

@@ -82,7 +82,8 @@ def _cuda() -> bool:
 
 def engine_kwargs(settings: EngineSettings, seed: int) -> dict:
     """``vllm.LLM`` keyword arguments for ``settings`` on this machine (CUDA or CPU)."""
-    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if _cuda() else "float32")  # vLLM's auto turns fp32 into bf16 on CPU
+    # vLLM's auto turns fp32 into bf16 on CPU
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if _cuda() else "float32")
     kw = dict(seed=seed, dtype=dtype, enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.enable_prefix_caching,
               logprobs_mode="processed_logprobs", worker_extension_cls="crl.modules.vllm_worker.CrlWorkerExtension",
               skip_tokenizer_init=True, generation_config="vllm")
@@ -415,7 +416,8 @@ class VLLMBackend:
         self.wake_up()
         first = self.requests_sampled
         self.requests_sampled += len(prompts)
-        requests = [params.vllm_sampling_params(vllm, max_tokens=m, seed=self.request_seed(first + i)) for i, m in enumerate(max_new_tokens)]
+        requests = [params.vllm_sampling_params(vllm, max_tokens=m, seed=self.request_seed(first + i)) for i,
+                    m in enumerate(max_new_tokens)]
         outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
         result = []
         for out in outs:
