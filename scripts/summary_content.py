@@ -53,8 +53,8 @@ def main(argv=None) -> None:
                                  + f", complete {c['complete']}/{c['summaries']}, keys final {c['keys_final']}/{c['keys_written']}"
                                  for which, c in by.items()))
         for pair, by in census["identical"].items():
-            print(f"identical summaries {pair.replace('|', ' vs ')}: " + ", ".join(f"{which} {n[0]}/{n[1]} episodes" for which,
-                                                                                   n in by.items()))
+            print(f"identical summaries {pair.replace('|', ' vs ')}: "
+                  + ", ".join(f"{which} {n[0]}/{n[1]} episodes" for which, n in by.items()))
         print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
         return
     if not args.run_dirs:

@@ -150,8 +150,8 @@ def test_census_of_an_export_sums_seeds_per_arm_and_refuses_a_run_without_summar
     def run(name, first, last):
         d = tmp_path / "export" / name
         d.mkdir(parents=True)
-        lines = [dict(iteration=it, rows=[dict(summary=s, records=["blue = 1", "red = 2", "blue = 3"])]) for it,
-                 s in ((15, last), (3, first))]
+        lines = [dict(iteration=it, rows=[dict(summary=s, records=["blue = 1", "red = 2", "blue = 3"])])
+                 for it, s in ((15, last), (3, first))]
         (d / "summaries.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
     run("joint_seed1", "blue = 1", "blue = 3 , red = 2")  # stale -> complete

@@ -21,27 +21,17 @@ torch thread each), then ``scripts/audit.py`` on its run directory, then, with `
 run's kernel too. Logs: ``DIR/logs/NAME.{train,audit,eval}.log``; wall times: ``DIR/logs/NAME.json``. A line per
 run start and finish, a progress bar over runs (on a terminal), then a table of every run and the aggregates.
 
-Resumable: rerun the same command. A finished run is recognised by the trainer itself (``scripts/train.py`` on a
-complete run directory prints "already complete" and exits 0); a killed one continues from its newest checkpoint;
-an ``audit.json`` that hashed the run's current ``metrics.jsonl`` (its ``files`` manifest) and was made by the
-current auditor (the SHA-256 of ``crl/audit/``'s sources it records) is reused, and so is a final evaluation of the
-run's last iteration; an audit made by other auditor code is redone, unless the run's evidence is not there (a run
-carried as text: its audit is kept, and the progress line says so). A run whose metrics reach ``train.iterations``
-with both reused is not relaunched at all: such a run directory needs only ``config.yaml``, ``metrics.jsonl``,
-``audit.json`` and the evaluation's JSON, so a study longer than one machine's session can carry its finished runs to
-the next in a few hundred kB of text (by content, not mtimes, which neither a copy nor a git checkout keeps;
-docs/lm_study.md). ``--report-only`` trains nothing: it reports the runs that finished (auditing them if needed) and
-marks the others ``"audit": "NOT RUN"`` with no curve. Exit status 0 only when every run trained and its audit
-passed.
-
-``--carry REPORT`` takes the finished, audited runs of an earlier report (same config file, overrides and final
-evaluation) in place of jobs with no run directory here, for a study whose run directories were lost with a machine
-(:mod:`crl.experiments.exports`). With ``export`` (a directory in the repository where each finished run's files are
-committed: ``scripts/lm_study.py --export``), a row is carried only when the SHA-256 it recorded of the run's
-``config.yaml``, ``audit.json`` and final evaluation (``files_sha256``) are those of the files committed at ``HEAD``
-under ``export/NAME/``, its audit verdict and final evaluation are theirs, and the committed ``config.yaml`` is the
-config the sweep would launch now (a changed base config is another recipe); anything else stops it with one line
-naming the file (and the differing keys).
+Resumable: rerun the same command. The trainer recognises a finished run ("already complete") and resumes a killed
+one from its newest checkpoint; a current ``audit.json`` (it hashed the run's ``metrics.jsonl`` and was made by the
+current auditor: :func:`crl.experiments.run_files.audit_current`) and a final evaluation of the run's last iteration
+are reused, and a run with both is not relaunched at all: it needs only ``config.yaml``, ``metrics.jsonl``,
+``audit.json`` and the evaluation's JSON, so finished runs carry to another machine as a few hundred kB of text
+(docs/lm_study.md). An audit made by other auditor code is redone where the run's evidence is (else kept, and said so).
+``--report-only`` trains nothing: it reports the runs that finished and marks the others ``"audit": "NOT RUN"`` with
+no curve. Exit status 0 only when every run trained and its audit passed. ``--carry REPORT`` takes the finished runs
+of an earlier report in place of jobs with no run directory here (a study whose run directories were lost with a
+machine); with ``export`` only as committed, and only of the recipe the sweep would launch now
+(:mod:`crl.experiments.exports`).
 
 **Same settings or nothing.** A run directory is reused (finished, resumed or reported) only when its
 ``config.yaml`` equals the config the sweep would launch now, every key but where things are written

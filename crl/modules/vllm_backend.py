@@ -416,8 +416,8 @@ class VLLMBackend:
         self.wake_up()
         first = self.requests_sampled
         self.requests_sampled += len(prompts)
-        requests = [params.vllm_sampling_params(vllm, max_tokens=m, seed=self.request_seed(first + i)) for i,
-                    m in enumerate(max_new_tokens)]
+        requests = [params.vllm_sampling_params(vllm, max_tokens=m, seed=self.request_seed(first + i))
+                    for i, m in enumerate(max_new_tokens)]
         outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
         result = []
         for out in outs:
