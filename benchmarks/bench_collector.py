@@ -1,7 +1,7 @@
 """Collector throughput: 32 concurrent episodes vs the same 32 episodes one at a time (not a test).
 
 Same tiny model, same tasks (played in order), same sampling settings, measured side by side in one run.
-Prints episodes/s, generated tokens/s and the ratio. Target (issue 4): >= 8x on a 2-core CPU, tiny preset.
+Prints episodes/s, generated tokens/s and the ratio. Target: >= 8x on a 2-core CPU, tiny preset.
 
     python benchmarks/bench_collector.py [--episodes 32] [--length 8] [--preset llama-tiny]
 """
@@ -47,7 +47,8 @@ def main():
     eos = tok.convert_tokens_to_ids(EOS)
     lm = build_causal_lm(args.preset, vocab_size=len(tok), max_positions=2048, eos_token_id=eos, seed=0)
     suite = MemoryChainSuite(length=args.length)
-    cfg = CompactionConfig(context_capacity=2048, min_remaining=64, max_summary_tokens=8, forced_steps=suite.compaction_steps, keep_recent=suite.keep_recent)
+    cfg = CompactionConfig(context_capacity=2048, min_remaining=64, max_summary_tokens=8, forced_steps=suite.compaction_steps,
+                           keep_recent=suite.keep_recent)
     run(lm, suite, cfg, eos, 2, 2, 0)  # warm-up
     rows = {}
     for name, per_batch in (("one at a time", 1), (f"{args.episodes} concurrent", args.episodes)):

@@ -3,7 +3,7 @@
 The same chat-formatted sequential-records episodes (configs/smollm2_records.yaml: its task, compaction, chat
 template and sampling) are played by crl's collector with each backend at 1, 8 and 32 concurrent episodes,
 side by side in one run; prints generated tokens/s per backend and level and the ratio vLLM / transformers, then
-seconds per weight sync (export_weights + the engine's reload). Target (issue 19): vLLM >= 3x at 32 concurrent
+seconds per weight sync (export_weights + the engine's reload). Target: vLLM >= 3x at 32 concurrent
 episodes on the project's 2-core CPU.
 
     python benchmarks/bench_generation.py --model checkpoints/smollm2-135m-instruct [--episodes 32] [--out FILE]
@@ -61,13 +61,15 @@ def main():
     cfg = load_config(ROOT / "configs" / "smollm2_records.yaml", [f"model.preset={args.model}", "logging.progress=false"])
     codec = build_tokenizer(cfg)
     prompt_format = build_prompt_format(cfg, codec)
-    lm = build_causal_lm(args.model, vocab_size=codec.vocab_size, max_positions=cfg.compaction.context_capacity, eos_token_id=codec.eos_id).eval()
+    lm = build_causal_lm(args.model, vocab_size=codec.vocab_size, max_positions=cfg.compaction.context_capacity,
+                         eos_token_id=codec.eos_id).eval()
     t0 = time.perf_counter()
     bind = "rank" if args.threads == 1 else f"0-{args.threads - 1}"
     engine = VLLMBackend(args.model, seed=1, settings=EngineSettings(max_model_len=cfg.compaction.context_capacity, cpu_kv_cache_gb=1.0,
                                                                      cpu_threads_bind=bind, dtype=args.vllm_dtype))
     start_s = time.perf_counter() - t0
-    results = {"model": args.model, "threads": args.threads, "vllm_dtype": args.vllm_dtype, "engine_start_s": round(start_s, 1), "levels": {}}
+    results = {"model": args.model, "threads": args.threads, "vllm_dtype": args.vllm_dtype, "engine_start_s": round(start_s, 1),
+               "levels": {}}
     try:
         for level in args.levels:
             row = {}

@@ -103,7 +103,8 @@ VARIANTS = {  # name: (parent, overrides): each variant is its parent's override
     "keep_today_bf16": ("keep_today", ["train.precision=bf16"]),
     "keep_branches_bf16": ("keep_branches", ["train.precision=bf16"]),
 }
-NO_KV_REUSE, FOUR_LIVE, EVERY_ITERATION = {"before"}, {"before", "kv_reuse"}, {"before", "kv_reuse", "batched", "lora", "one_pass", "merged"}
+NO_KV_REUSE, FOUR_LIVE, EVERY_ITERATION = {"before"}, {"before", "kv_reuse"}, {"before", "kv_reuse", "batched", "lora", "one_pass",
+                                                                               "merged"}
 CRITICS = {"separate": ["model.share_critic_backbone=false"], "shared": ["model.share_critic_backbone=true"],
            "detached": ["model.share_critic_backbone=true", "algo.separate_losses=true"]}
 
@@ -142,8 +143,10 @@ def machine_limits(threads: int) -> dict:
             y.copy_(x)
         return 2 * x.numel() * 4 * 4 / (time.perf_counter() - t)
 
-    out = {"threads": threads, "matmul_flops_fp32": max(matmul(torch.float32) for _ in range(5)), "bandwidth_bytes_per_s": max(copy() for _ in range(3)),
-           "native_bf16": native_bf16(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "processor": platform.processor() or platform.machine()}
+    out = {"threads": threads, "matmul_flops_fp32": max(matmul(torch.float32) for _ in range(5)),
+           "bandwidth_bytes_per_s": max(copy() for _ in range(3)),
+           "native_bf16": native_bf16(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "processor": platform.processor()
+           or platform.machine()}
     if out["native_bf16"]:
         out["matmul_flops_bf16"] = max(matmul(torch.bfloat16) for _ in range(5))
     return out
@@ -159,7 +162,8 @@ def best_limits(before: dict, after: dict) -> dict:
 
 def describe_limits(label: str, limits: dict) -> str:
     return (f"{label} ({limits['threads']} thread(s), {limits['cpu_capability']}, native bf16: {limits['native_bf16']}): matmul fp32 "
-            f"{limits['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s" + (f", bf16 {limits['matmul_flops_bf16'] / 1e9:.0f}" if "matmul_flops_bf16" in limits else "")
+            f"{limits['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s" + (f", bf16 {limits['matmul_flops_bf16'] / 1e9:.0f}"
+                                                                  if "matmul_flops_bf16" in limits else "")
             + f", copy bandwidth {limits['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
 
 
@@ -170,7 +174,8 @@ def fractions(result: dict, limits: dict) -> dict:
     sampler's forwards were not seen (vLLM)."""
     flops = limits["matmul_flops_bf16"] if result["precision"] == "bf16" else limits["matmul_flops_fp32"]
     n = result["n_actor_matmul_params"]
-    out = {"learner_frac_of_matmul_limit": result["learner_flops_per_s"] / flops, "prefill_frac_of_limit": None, "decode_frac_of_limit": None}
+    out = {"learner_frac_of_matmul_limit": result["learner_flops_per_s"] / flops, "prefill_frac_of_limit": None,
+           "decode_frac_of_limit": None}
     if result["decode_steps"]:
         floor = sum(count * max(result["weight_bytes"] / limits["bandwidth_bytes_per_s"], 2 * n * int(rows) / flops)
                     for rows, count in result["decode_steps_by_rows"].items())
@@ -194,7 +199,8 @@ def overrides_of(variant: str, args) -> list[str]:
     evaluation = (["eval.every=1", f"eval.episodes={args.eval_episodes}"] if variant in EVERY_ITERATION else
                   [f"eval.every={args.eval_every}", f"eval.episodes={args.eval_every_episodes}"])
     engine = [f"vllm.cpu_threads_bind=0-{args.threads - 1}" if args.threads > 1 else "vllm.cpu_threads_bind=0"] if variant == "vllm" else []
-    return [f"model.preset={args.preset}", f"train.episodes_per_batch={live}", *evaluation, "logging.wandb_mode=disabled", "logging.progress=false",
+    return [f"model.preset={args.preset}", f"train.episodes_per_batch={live}", *evaluation, "logging.wandb_mode=disabled",
+            "logging.progress=false",
             "warm_start.enabled=false", "checkpoint.every=1000", f"train.threads={args.threads}", *chosen, *engine, *args.set]
 
 
@@ -305,7 +311,8 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
     generated = int(sum(int(p["loss_mask"].sum()) for p in parts))
 
     phases: dict[str, float] = {}
-    for obj, name in ((trainer.ppo, "record_behaviour_entropy"), (trainer, "update_critic"), (trainer, "update_policy"), (trainer, "sync_policy_weights")):
+    for obj, name in ((trainer.ppo, "record_behaviour_entropy"), (trainer, "update_critic"), (trainer, "update_policy"),
+                      (trainer, "sync_policy_weights")):
         timed(obj, name, phases)
     trainer.ppo.reset_report()
     iteration = max(cfg.train.critic_warmup_iterations, 0)  # a policy iteration, as fit() runs it
@@ -332,7 +339,8 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
     episodes = len(set(rollout["rollout_id"].tolist()))
     return {
         "variant": variant, "parent": VARIANTS[variant][0], "overrides": overrides_of(variant, args), "episodes": episodes,
-        "live_at_once": cfg.train.episodes_per_batch, "lora": lora, "shared_critic": shared, "merged_sampling": trainer.sampler.merged is not None,
+        "live_at_once": cfg.train.episodes_per_batch, "lora": lora, "shared_critic": shared,
+        "merged_sampling": trainer.sampler.merged is not None,
         "backend": cfg.model.backend, "precision": cfg.train.precision, "system_turn": cfg.prompt.system_turn,
         "iteration_s": collect_s + learner_s + sync_s + eval_s / cfg.eval.every, "collect_s": collect_s, "learner_s": learner_s,
         "values_s": values_s, "entropy_s": phases.get("record_behaviour_entropy", 0.0), "critic_s": phases.get("update_critic", 0.0),
@@ -345,7 +353,8 @@ def measure(variant, args, cfg, trainer, torch, concat_episodes, is_lora) -> dic
         "decode_positions_per_episode": meter.decode_rows / max(episodes, 1),
         "learner_flops": learner_flops, "learner_flops_per_s": learner_flops / learner_s,
         "prefill_positions": meter.prefill_positions, "prefill_s": meter.prefill_s,
-        "decode_steps": meter.decode_steps, "decode_rows_per_step": meter.decode_rows / max(meter.decode_steps, 1), "decode_s": meter.decode_s,
+        "decode_steps": meter.decode_steps, "decode_rows_per_step": meter.decode_rows / max(meter.decode_steps, 1),
+        "decode_s": meter.decode_s,
         "decode_steps_by_rows": {str(rows): count for rows, count in sorted(meter.steps_by_rows.items())}, "generated_tokens": generated,
         "generated_tokens_per_s": generated / collect_s, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
         "n_actor_matmul_params": n_actor, "n_critic_matmul_params": n_critic,
@@ -368,7 +377,8 @@ def oracle_tokens(config: str, preset: str, overrides: list[str]) -> dict:
         cfg = load_config(config, [f"model.preset={preset}", f"prompt.system_turn={turn}", *overrides])
         codec = build_tokenizer(cfg)
         suite = build_suite(cfg)
-        engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=build_prompt_format(cfg, codec))
+        engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id,
+                                  prompt_format=build_prompt_format(cfg, codec))
         tasks = suite.tasks("dev")
         positions = 0
         for i, task in enumerate(tasks):
@@ -423,7 +433,8 @@ def critic_child(name: str, args) -> dict:
     try:
         cfg = load_config(args.config, [f"run_dir={run_dir}", f"model.preset={args.preset}", f"train.iterations={args.critic_quality}",
                                         f"warm_start.cache_dir={args.cache_dir}", "logging.wandb_mode=disabled", "logging.progress=false",
-                                        "eval.every=0", "checkpoint.every=1000", f"train.threads={args.threads}", *CRITICS[name], *args.set])
+                                        "eval.every=0", "checkpoint.every=1000", f"train.threads={args.threads}", *CRITICS[name],
+                                        *args.set])
         t = time.perf_counter()
         Trainer(cfg).fit()
         seconds = time.perf_counter() - t
@@ -450,8 +461,8 @@ def table(rows: list[dict]) -> str:
             continue
         decode = "—" if r["decode_frac_of_limit"] is None else f"{pct(r['decode_frac_of_limit'])} ({r['decode_rows_per_step']:.1f})"
         lines.append(f"| {r['variant']} | {r['iteration_s']:.1f} | {r['collect_s']:.1f} | {r['learner_s']:.1f} | {r['sync_s']:.2f} | "
-                     f"{r['eval_per_iteration_s']:.1f} | {pct(r['learner_frac_of_matmul_limit'])} | {pct(r['prefill_frac_of_limit'])} | {decode} | "
-                     f"{r['generated_tokens_per_s']:.1f} | {r['tokens_per_episode']:.0f} | {r['peak_rss_gb']:.2f} | "
+                     f"{r['eval_per_iteration_s']:.1f} | {pct(r['learner_frac_of_matmul_limit'])} | {pct(r['prefill_frac_of_limit'])} | "
+                     f"{decode} | {r['generated_tokens_per_s']:.1f} | {r['tokens_per_episode']:.0f} | {r['peak_rss_gb']:.2f} | "
                      + (f"{before / r['iteration_s']:.2f}x |" if before else "— |"))
     return "\n".join(lines)
 
@@ -503,7 +514,8 @@ def main(argv=None) -> int:
         try:
             runs = []
             for name in args.critics:
-                runs.append(run_child(["--critic-child", name, *common, "--critic-quality", str(args.critic_quality), "--cache-dir", cache, "--set", *args.set],
+                runs.append(run_child(["--critic-child", name, *common, "--critic-quality", str(args.critic_quality), "--cache-dir", cache,
+                                       "--set", *args.set],
                                       f"critic {name}"))
                 last = runs[-1]["per_iteration"][-1]
                 print(f"critic {name}: {args.critic_quality} iterations in {runs[-1]['seconds']:.0f} s; last explained_variance "
@@ -543,11 +555,13 @@ def run_variants(args, common: list[str], out: dict, scratch: str | None) -> Non
     rows = []
     for variant in args.variants:
         if "bf16" in lineage(variant) and not limits["native_bf16"]:
-            rows.append({"variant": variant, "skipped": f"no native bf16 on this CPU ({limits['cpu_capability']}): emulated bf16 is slower than fp32"})
+            rows.append({"variant": variant,
+                         "skipped": f"no native bf16 on this CPU ({limits['cpu_capability']}): emulated bf16 is slower than fp32"})
             print(f"{variant}: skipped ({rows[-1]['skipped']})", flush=True)
             continue
         result = run_child(["--child", variant, *common, "--episodes", str(args.episodes), "--eval-episodes", str(args.eval_episodes),
-                            "--eval-every", str(args.eval_every), "--eval-every-episodes", str(args.eval_every_episodes), "--set", *args.set],
+                            "--eval-every", str(args.eval_every), "--eval-every-episodes", str(args.eval_every_episodes), "--set",
+                            *args.set],
                            f"variant {variant}")
         rows.append(result)
         frac = fractions(result, limits)
@@ -555,11 +569,12 @@ def run_variants(args, common: list[str], out: dict, scratch: str | None) -> Non
             f"{100 * frac['decode_frac_of_limit']:.0f} % of its limit at {result['decode_rows_per_step']:.1f} rows/step"
         print(f"{variant}: iteration {result['iteration_s']:.1f} s (collect {result['collect_s']:.1f}, learner {result['learner_s']:.1f}, "
               f"sync {result['sync_s']:.2f}, eval {result['eval_s']:.1f} every {result['eval_every']}); learner "
-              f"{100 * frac['learner_frac_of_matmul_limit']:.0f} % of matmul, decode {decode}; {result['tokens_per_episode']:.0f} tokens/episode; "
-              f"peak RSS {result['peak_rss_gb']:.2f} GB (fractions against the limits before)", flush=True)
+              f"{100 * frac['learner_frac_of_matmul_limit']:.0f} % of matmul, decode {decode}; {result['tokens_per_episode']:.0f} "
+              f"tokens/episode; peak RSS {result['peak_rss_gb']:.2f} GB (fractions against the limits before)", flush=True)
     tokens = oracle_tokens(args.config, args.preset, args.set)
     print(f"oracle episodes (dev): {tokens['own']['learner_positions_per_episode']:.0f} learner positions with crl's system turn, "
-          f"{tokens['template']['learner_positions_per_episode']:.0f} with the template's ({100 * tokens['saved_frac']:.1f} % fewer)", flush=True)
+          f"{tokens['template']['learner_positions_per_episode']:.0f} with the template's ({100 * tokens['saved_frac']:.1f} % fewer)",
+          flush=True)
     out["oracle_tokens"] = tokens
     after = machine_limits(args.threads)
     print(describe_limits("limits after", after), flush=True)

@@ -1,4 +1,4 @@
-"""Benchmark: the per-call cost of each sandbox defence (not a test; issue 28).
+"""Benchmark: the per-call cost of each sandbox defence (not a test).
 
 Runs ``--calls`` trivial tool calls (``print(sum(range(100)))``) through :class:`crl.sandbox.Sandbox` in each setting,
 interleaved round-robin (one call of each setting in turn) so that load on a shared machine hits every setting

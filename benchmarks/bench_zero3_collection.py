@@ -38,7 +38,8 @@ def worker(args) -> None:
     trainer.sync_policy_weights()
     stats = trainer.collector.last_stats
     out = {"backend": args.backend, "rank": trainer.rank, "build_s": round(built, 1), "collect_s": round(collect, 1),
-           "generated_tokens": stats["generated_action_tokens"] + stats["generated_summary_tokens"], "sync_s": round(trainer.sampler.sync_seconds, 2)}
+           "generated_tokens": stats["generated_action_tokens"] + stats["generated_summary_tokens"],
+           "sync_s": round(trainer.sampler.sync_seconds, 2)}
     Path(args.run_dir, f"bench_rank{trainer.rank}.json").write_text(json.dumps(out))
     trainer.close()
 
@@ -58,12 +59,14 @@ def main():
     results = {}
     for backend in ("transformers", "vllm"):
         with tempfile.TemporaryDirectory() as run_dir:
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero3.yaml", __file__, "--worker",
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero3.yaml", __file__,
+                   "--worker",
                    "--model", str(args.model), "--backend", backend, "--run-dir", run_dir, "--episodes", str(args.episodes)]
             t0 = time.perf_counter()
             subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
             ranks = [json.loads(Path(run_dir, f"bench_rank{r}.json").read_text()) for r in (0, 1)]
-            results[backend] = {"ranks": ranks, "collect_s": max(r["collect_s"] for r in ranks), "wall_s": round(time.perf_counter() - t0, 1)}
+            results[backend] = {"ranks": ranks, "collect_s": max(r["collect_s"] for r in ranks),
+                                "wall_s": round(time.perf_counter() - t0, 1)}
         print(f"ZeRO-3, 2 ranks, {backend:>12}: collection {results[backend]['collect_s']:6.1f} s (slowest rank), "
               f"tokens {[r['generated_tokens'] for r in ranks]}, sync {[r['sync_s'] for r in ranks]} s", flush=True)
     ratio = results["transformers"]["collect_s"] / results["vllm"]["collect_s"]

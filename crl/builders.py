@@ -31,7 +31,8 @@ def build_suite(cfg, stage=None):
     if e.name == "memory_chain":
         n = e.length if length is None else length
         schedule = e.compaction_steps if stage is None else stage.compaction_steps  # None: derived from the length
-        return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent, seed=e.seed, extra_steps=e.extra_steps,
+        return MemoryChainSuite(length=n, n_facts=e.n_facts, compaction_steps=schedule, keep_recent=cfg.compaction.keep_recent,
+                                seed=e.seed, extra_steps=e.extra_steps,
                                  early_submit=e.early_submit, invalid_command=e.invalid_command)
     n = e.n_records if length is None else length
     return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, n_values=e.n_values, seed=e.seed,
@@ -64,8 +65,9 @@ def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_
 
     Training (``evaluation=False``): ``train.episodes_per_batch`` sampled tasks per batch at ``model.temperature``.
     Evaluation: rank ``r`` plays global episodes ``r, r + world, ... < eval.episodes`` (:func:`eval_share` of them),
-    the split's tasks in that order, at ``eval.temperature``: ``eval.episodes`` in all, whatever the world size. ``frozen_backend``: summaries from a frozen copy (the
-    frozen-summary ablation). Shared by the trainer and ``scripts/evaluate.py``, so both play the same episodes.
+    the split's tasks in that order, at ``eval.temperature``: ``eval.episodes`` in all, whatever the world size. ``frozen_backend``:
+    summaries from a frozen copy (the frozen-summary ablation). Shared by the trainer and ``scripts/evaluate.py``, so both play the same
+    episodes.
     """
 
     from crl.collectors import CompactionCollector
@@ -87,7 +89,8 @@ def build_collector(cfg, split: str, stage, backend, codec: "TextCodec", prompt_
 def build_compaction_config(cfg, suite) -> CompactionConfig:
     c = cfg.compaction
     if not c.enabled:  # the no-compaction ablation: plain long context, truncated when full
-        return CompactionConfig(context_capacity=c.context_capacity, min_remaining=c.min_remaining, max_compactions=0, keep_recent=c.keep_recent,
+        return CompactionConfig(context_capacity=c.context_capacity, min_remaining=c.min_remaining, max_compactions=0,
+                                keep_recent=c.keep_recent,
                                 max_summary_tokens=c.max_summary_tokens, max_steps=c.max_steps)
     forced = tuple(getattr(suite, "compaction_steps", ())) if c.forced else ()
     return CompactionConfig(
@@ -169,15 +172,16 @@ def build_prompt_format(cfg, codec: TextCodec):
     if cfg.env.name == "torchrl_chat":  # the ChatEnv suite renders its own turns; this format names the stop token
         return ChatFormat(codec.tokenizer, **texts)
     if not (path.is_dir() and (path / "tokenizer_config.json").exists()):
-        raise ConfigValidationError(f"prompt.format: chat needs a local checkpoint with a chat template; model.preset={cfg.model.preset!r} is a preset with the project's word tokenizer (use plain)")
+        raise ConfigValidationError(f"prompt.format: chat needs a local checkpoint with a chat template; model.preset={cfg.model.preset!r} "
+                                    "is a preset with the project's word tokenizer (use plain)")
     try:
         fmt = ChatFormat(load_chat_tokenizer(path), **texts)
     except ChatTemplateError as err:
         raise ConfigValidationError(f"prompt.format: chat: {err}") from None
     if fmt.stop_id != codec.eos_id:
         raise ConfigValidationError(
-            f"prompt.format: chat: the template's end-of-turn {fmt.stop_token!r} (id {fmt.stop_id}) is not the tokenizer's EOS (id {codec.eos_id}); "
-            "set the checkpoint's eos_token to the end-of-turn token"
+            f"prompt.format: chat: the template's end-of-turn {fmt.stop_token!r} (id {fmt.stop_id}) is not the tokenizer's EOS (id "
+            f"{codec.eos_id}); set the checkpoint's eos_token to the end-of-turn token"
         )
     return fmt
 
@@ -199,7 +203,8 @@ def _check_known_words(cfg, codec: TextCodec) -> None:
             continue
         words = [w for w in text.replace("{task}", " ").replace("{observation}", " ").split() if unk in codec.encode(w)]
         if words:
-            raise ConfigValidationError(f"prompt.{key}: {words} are not in the project's word vocabulary (crl/modules/tokenizer.py) and would "
+            raise ConfigValidationError(f"prompt.{key}: {words} are not in the project's word vocabulary (crl/modules/tokenizer.py) and "
+                                        "would "
                                         "all read as <|unk|>; use its words, or a checkpoint with its own tokenizer (model.preset)")
 
 
@@ -218,12 +223,15 @@ def chat_tokenizer(cfg):
         # TorchRL's wrapper masks responses with != pad: pad = EOS would drop the sampled EOS (docs/torchrl.md).
         # Another special token that the policy never ends a turn with serves (SmolLM2: <|endoftext|>).
         spare = [t for t in ("<|endoftext|>", tok.bos_token, tok.unk_token, "<|pad|>")
-                 if t and t != tok.eos_token and tok.convert_tokens_to_ids(t) not in (None, tok.unk_token_id if t != tok.unk_token else None)]
+                 if t and t != tok.eos_token and tok.convert_tokens_to_ids(t) not in (None, tok.unk_token_id if t != tok.unk_token
+                                                                                      else None)]
         if not spare:
             from crl.config import ConfigValidationError
 
-            raise ConfigValidationError(f"model.preset: the tokenizer in {path} pads with its EOS and has no other special token to pad with; "
-                                        "add a pad token to the checkpoint (tokenizer.add_special_tokens({'pad_token': '<|pad|>'}), resize the embeddings)")
+            raise ConfigValidationError(f"model.preset: the tokenizer in {path} pads with its EOS and has no other special token to pad "
+                                        "with; "
+                                        "add a pad token to the checkpoint (tokenizer.add_special_tokens({'pad_token': '<|pad|>'}), resize "
+                                        "the embeddings)")
         tok.pad_token = spare[0]
     return tok
 
@@ -253,7 +261,8 @@ def build_chat_suite(cfg, tokenizer=None):
     try:
         suite = fn(tokenizer=tok, seed=e.seed, tools=cfg.tools, **e.kwargs)
     except Exception as err:
-        raise ConfigValidationError(f"env.factory: {e.factory}(tokenizer=..., seed={e.seed}, tools=..., **{e.kwargs}) raised {type(err).__name__}: {err}") from err
+        raise ConfigValidationError(f"env.factory: {e.factory}(tokenizer=..., seed={e.seed}, tools=..., **{e.kwargs}) raised "
+                                    f"{type(err).__name__}: {err}") from err
     from crl.torchrl_llm.collector import check_chat_suite
 
     try:
@@ -303,7 +312,8 @@ def build_chat_collector(cfg, split: str, backend, codec: "TextCodec", *, evalua
     return ChatCollector(
         build_chat_suite(cfg, codec.tokenizer), split, backend, codec.tokenizer, build_compaction_config(cfg, None),
         episodes_per_batch=eval_share(cfg.eval.episodes, rank, world) if evaluation else cfg.train.episodes_per_batch,
-        sampling=sampling_spec(cfg, codec, evaluation=evaluation), max_new_tokens=cfg.model.max_action_tokens, task_seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, rank=rank,
+        sampling=sampling_spec(cfg, codec, evaluation=evaluation), max_new_tokens=cfg.model.max_action_tokens,
+        task_seed=cfg.train.seed + 7 if evaluation else cfg.train.seed, rank=rank,
         world_size=world, tasks_in_order=evaluation, group_size=1 if evaluation else cfg.train.group_size, texts=texts, progress=progress,
     )
 
@@ -368,7 +378,8 @@ def check_budgets(cfg, codec: TextCodec, prompt_format=None) -> None:
                 except Exception as err:
                     raise ConfigValidationError(f"env: starting the first {split} task raised {type(err).__name__}: {err}") from err
                 if not isinstance(prompt, str):
-                    raise ConfigValidationError(f"env: reset() of the first {split} task returned a {type(prompt).__name__}; it must return the task text (str)")
+                    raise ConfigValidationError(f"env: reset() of the first {split} task returned a {type(prompt).__name__}; it must "
+                                                "return the task text (str)")
                 engine.start(prompt)
             if cfg.warm_start.enabled:
                 _check_warm_start_hooks(env)

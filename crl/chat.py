@@ -157,7 +157,8 @@ class ChatFormat:
         system_turn: str = "own",
     ):
         if not getattr(tokenizer, "chat_template", None):
-            raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template; use prompt.format=plain")
+            raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template; use "
+                                    "prompt.format=plain")
         self.tokenizer = tokenizer
         self.task_template, self.observation_template = task_template, observation_template
         t = self.turns = self._split_template(tokenizer, stop_token)
@@ -190,7 +191,8 @@ class ChatFormat:
         def render(messages, generation):
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
-        msgs = [{"role": "system", "content": S}, {"role": "user", "content": U}, {"role": "assistant", "content": A}, {"role": "user", "content": O}]
+        msgs = [{"role": "system", "content": S}, {"role": "user", "content": U}, {"role": "assistant", "content": A},
+                {"role": "user", "content": O}]
         try:
             full = render(msgs, True)
             sys_only = render(msgs[:1], False)
@@ -212,7 +214,8 @@ class ChatFormat:
         if not between.endswith(user_open) or full[pos[3] + len(O):] != user_close + generation:
             raise ChatTemplateError("user turns are not rendered identically throughout the conversation")
         assistant_close = between[: len(between) - len(user_open)]
-        specials = sorted(getattr(tok, "all_special_tokens", []) + list(getattr(tok, "added_tokens_encoder", {}) or {}), key=len, reverse=True)
+        specials = sorted(getattr(tok, "all_special_tokens", []) + list(getattr(tok, "added_tokens_encoder", {}) or {}), key=len,
+                          reverse=True)
         if stop_token is None:
             stop_token = next((s for s in specials if s and assistant_close.startswith(s)), None)
             if stop_token is None:

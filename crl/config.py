@@ -466,7 +466,11 @@ def validate(cfg: Config) -> None:
     _need(e.name == "sequential_records" or (e.n_values == 10 and e.question_not_in_last == 0 and e.compact_after_step is None),
           "env.n_values/question_not_in_last/compact_after_step", f"are sequential_records knobs; env.name is {e.name}")
     _need(e.compact_after_step is None or e.compact_after_step >= 1, "env.compact_after_step", f"must be >= 1 or null, got {e.compact_after_step}")
-    _need(0.0 <= e.distractor_rate <= 1.0, "env.distractor_rate", f"must be in [0, 1], got {e.distractor_rate}")
+    _need(0.0 <= e.distractor_rate < 1.0, "env.distractor_rate", f"must be in [0, 1), got {e.distractor_rate}")
+    if e.name == "sequential_records" and e.question_not_in_last:
+        from crl.envs.sequential_records import askable_possible, unaskable
+
+        _need(askable_possible(e.n_keys, e.distractor_rate), "env.question_not_in_last", unaskable(e.n_keys, e.question_not_in_last, "env."))
     _need(e.step_timeout_s is None or e.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0 seconds or null, got {e.step_timeout_s}")
     _need(e.factory is None or e.name in ("custom", "torchrl_chat"), "env.name", f"env.factory={e.factory!r} builds your own suite: set env.name=custom (got {e.name})")
     _need(e.name != "torchrl_chat" or bool(e.factory), "env.factory", "env.name=torchrl_chat needs env.factory: 'package.module:function' returning a ChatEnv suite (crl/torchrl_llm/collector.py)")

@@ -8,8 +8,8 @@ Rules (the trainer follows them; :mod:`crl.evidence` documents the layout):
   visible checkpoint of an evidence iteration has its evidence; a run killed in between redoes that iteration.
 * **Checkpoints verify.** ``meta.json`` (written last) carries a SHA-256 manifest of every other file;
   :func:`newest_intact_checkpoint` skips, with the reason, any checkpoint whose files are missing, truncated or
-  altered (or whose manifest is malformed), and resumes from the newest that verifies. With several processes, rank 0 chooses it and each rank
-  hashes only the files it reads (:meth:`crl.training.checkpoints.RunCheckpoints.resume_checkpoint`): ``verify_checkpoint``
+  altered (or whose manifest is malformed), and resumes from the newest that verifies. With several processes, rank 0 chooses it and each
+  rank hashes only the files it reads (:meth:`crl.training.checkpoints.RunCheckpoints.resume_checkpoint`): ``verify_checkpoint``
   with ``hashed`` checks the others' presence and sizes only.
 * **Pinned by evidence.** Checkpoints that evidence points to are never rotated away; the pinned set is read
   from the evidence on disk (:func:`pinned_checkpoints`), so it survives restarts.
@@ -106,7 +106,8 @@ def verify_checkpoint(path: str | os.PathLike, hashed=None) -> str | None:
     for rel, want in manifest.items():
         if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("sha256"), str)) \
                 or Path(rel).is_absolute() or ".." in Path(rel).parts:
-            return f"meta.json's manifest entry {rel!r} is malformed ({want!r}; expected a path inside the checkpoint: {{'size': int, 'sha256': str}})"
+            return (f"meta.json's manifest entry {rel!r} is malformed ({want!r}; expected a path inside the checkpoint: {{'size': int, "
+                    f"'sha256': str}})")
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"

@@ -92,7 +92,8 @@ class SamplingSpec:
         cache settings)."""
         from transformers import GenerationConfig
 
-        keep = {k: getattr(base, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if base is not None and getattr(base, k, None) is not None}
+        keep = {k: getattr(base, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if base is not None
+                and getattr(base, k, None) is not None}
         cfg = GenerationConfig(**keep)
         for key, value in {**_NEUTRAL_HF, "do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
                            "suppress_tokens": list(self.suppress_ids) or None}.items():

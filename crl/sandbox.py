@@ -14,7 +14,7 @@ Two modes (``SANDBOX_MODES``):
 
 Both modes install a seccomp filter built with libseccomp (:func:`seccomp_filter`) in the prelude: the syscalls of
 :data:`DENIED_SYSCALLS` (keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts, ``unshare``, ``setns``,
-kexec, modules, ``process_vm_writev``, ``pidfd_getfd``, ``chroot``), ``personality`` but for the default persona, and
+kexec, modules, ``process_vm_readv`` / ``_writev``, ``pidfd_getfd``, ``chroot``), ``personality`` but for the default persona, and
 ``clone`` with any ``CLONE_NEW*`` flag return ``EPERM``, ``clone3`` returns ``ENOSYS`` (glibc then uses ``clone``):
 no way into a new namespace is left to tool code, whatever bwrap version or uid runs it. It fails closed: no filter
 (an empty or malformed program, or a libseccomp too old to name a syscall of the list) and no code runs.
@@ -215,16 +215,17 @@ os.execv(python, [python, "-I", "-B", "-X", "utf8", code])
 """
 
 
-# Syscalls tool code never needs and attack code wants (issue 28; flatpak's and nsjail's lists): the kernel keyring
+# Syscalls tool code never needs and attack code wants (flatpak's and nsjail's lists): the kernel keyring
 # (state shared between calls of one uid), io_uring, bpf, perf_event_open, userfaultfd, ptrace, mounts and the new
-# mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot; and (issue 48, defence in depth) another
-# process's memory or files by pid (process_vm_writev, pidfd_getfd: ptrace's reach without ptrace) and chroot.
+# mount API, namespaces (unshare / setns), kexec, kernel modules, swap, reboot; and (defence in depth) another
+# process's memory or files by pid (process_vm_readv / _writev, pidfd_getfd: ptrace's reach without ptrace) and chroot.
 # Denied with EPERM, never a kill. libseccomp must know every name (else SandboxUnavailable naming its version).
 DENIED_SYSCALLS = (
     "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
     "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen",
     "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load", "kexec_file_load", "init_module",
-    "finit_module", "delete_module", "swapon", "swapoff", "reboot", "process_vm_writev", "pidfd_getfd", "chroot",
+    "finit_module", "delete_module", "swapon", "swapoff", "reboot", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
+    "chroot",
 )
 # The newest calls of the mount API (Linux 5.12 and 6.15), newer than some libseccomp releases: denied where the
 # installed libseccomp knows the name (a name it does not know cannot go into its filter), else left to the kernel's
@@ -236,7 +237,7 @@ DENIED_WHERE_KNOWN = ("mount_setattr", "open_tree_attr")
 PERSONALITY_ALLOWED = (0, 0xFFFFFFFF)
 _LIBSECCOMP_FIX = "install libseccomp 2.5 or newer (`apt-get install libseccomp2`: Debian 11, Ubuntu 20.04 and later)"
 # memfd_create is denied only where no cgroup bounds the call (FALLBACK_DENIED): an anonymous file is memory no
-# rlimit counts, so without the call's cgroup 128 of them held 2 GB (issue 28); with it they are charged to the call
+# rlimit counts, so without the call's cgroup 128 of them held 2 GB; with it they are charged to the call
 FALLBACK_DENIED = ("memfd_create",)
 # clone with any of these flags is a way into a new namespace: EPERM (one masked-equality rule per flag). CLONE_NEWTIME
 # (0x80) exists only for clone3 and unshare: in clone's flags those bits are the exit signal.
@@ -700,7 +701,8 @@ def _call_cgroup(limits: SandboxLimits):
     try:
         return budget.create(limits.memory_mb << 20, limits.max_processes + _OWN_PIDS)
     except OSError as e:
-        raise SandboxUnavailable(f"cannot make the tool call's cgroup under {sorted(map(str, set(budget.parents.values())))}: {e}") from None
+        parents = sorted(map(str, set(budget.parents.values())))
+        raise SandboxUnavailable(f"cannot make the tool call's cgroup under {parents}: {e}") from None
 
 
 def _pidfd(pid: int) -> int | None:

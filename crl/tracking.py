@@ -88,7 +88,8 @@ PANELS = [
     ("collector tokens/s", ["perf/collect_tokens_per_s"]),
     # the summary channel: did the summary hold what was needed, and did episodes succeed when it did / did not?
     ("summary channel", ["summary/holds_frac", "summary/last_holds_frac", "dev/summary_holds_frac", "dev/summary_holds",
-                         "train/success_given_holds", "train/success_given_not_holds", "dev/success_given_holds", "dev/success_given_not_holds"]),
+                         "train/success_given_holds", "train/success_given_not_holds", "dev/success_given_holds",
+                         "dev/success_given_not_holds"]),
     ("policy entropy (nats / sampled token)", ["policy/entropy_summary", "policy/entropy_execution"]),
     ("warm start reading probe (P(answer))", ["warm_start/answer_p_train", "warm_start/answer_p_visible", "warm_start/answer_p_summary"]),
 ]

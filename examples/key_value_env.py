@@ -74,7 +74,8 @@ class KeyValueSuite(TaskSuite):
     def _make_task(self, task_id: str, split: str, index: int, rng: random.Random) -> Task:
         keys = rng.sample(range(1, 10), 2)  # the asked key appears in the first record only
         answer = rng.choice(COLOURS)
-        items = [f"record : key {keys[0]} value {answer}"] + [f"record : key {keys[1]} value {rng.choice(COLOURS)}" for _ in range(self.length - 1)]
+        items = [f"record : key {keys[0]} value {answer}"] + [f"record : key {keys[1]} value {rng.choice(COLOURS)}"
+                                                              for _ in range(self.length - 1)]
         return Task(task_id, split, index, PROMPT, tuple(items), f"question : what is the value of key {keys[0]} ?", answer)
 
     def make_env(self, task: Task) -> KeyValueEnv:

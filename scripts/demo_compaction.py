@@ -54,13 +54,15 @@ def main() -> None:
     task = suite.tasks("train")[0]
     env = suite.make_env(task)
     engine = CompactionEngine(
-        CompactionConfig(context_capacity=4096, min_remaining=256, max_summary_tokens=16, forced_steps=env.compaction_steps, keep_recent=env.keep_recent),
+        CompactionConfig(context_capacity=4096, min_remaining=256, max_summary_tokens=16, forced_steps=env.compaction_steps,
+                         keep_recent=env.keep_recent),
         encode,
         eos_id=eos,
         prompt_format=fmt,
     )
     ctx = engine.start(env.reset())
-    status, reward = play_oracle_episode(env, ctx, encode, eos, lambda env, ctx: (encode(env.oracle_summary()) + [eos], False), log_prob=-0.1)
+    status, reward = play_oracle_episode(env, ctx, encode, eos, lambda env, ctx: (encode(env.oracle_summary()) + [eos], False),
+                                         log_prob=-0.1)
     td = build_episode(ctx.segments(), rollout_id=0, reward=reward, status=status)
     validate_episodes(td)
     print(f"task {task.task_id}: {ctx.n_steps} steps, {ctx.n_compactions} compactions, reward {reward}")

@@ -62,7 +62,8 @@ def load_policy(run_dir: Path, checkpoint: Path | None = None, episodes: int = 2
     codec = build_tokenizer(cfg)  # the checkpoint's own tokenizer
     prompt_format = build_prompt_format(cfg, codec)
     C = cfg.compaction.context_capacity
-    load = lambda path: build_causal_lm(str(path), vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id).eval()  # noqa: E731
+    # noqa: E731
+    load = lambda path: build_causal_lm(str(path), vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id).eval()
     lm = load(checkpoint / ckpt_files.POLICY_DIR) if cfg.model.backend == "transformers" else None  # vLLM reads policy/ itself
     frozen = None
     if cfg.algo.frozen_summary and cfg.model.lora.enabled:  # model.preset's weights with the frozen adapter (crl/modules/lora.py)
@@ -71,7 +72,8 @@ def load_policy(run_dir: Path, checkpoint: Path | None = None, episodes: int = 2
         from crl.modules.lora import ADAPTER_DIR, FROZEN_ADAPTER
 
         base = load_config(run_dir / "config.yaml")
-        base_lm = build_causal_lm(base.model.preset, vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id, seed=base.train.seed)
+        base_lm = build_causal_lm(base.model.preset, vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id,
+                                  seed=base.train.seed)
         frozen = PeftModel.from_pretrained(base_lm, checkpoint / ADAPTER_DIR / FROZEN_ADAPTER).eval()
     elif cfg.algo.frozen_summary:
         frozen = load(checkpoint / ckpt_files.FROZEN_POLICY_DIR)
@@ -116,7 +118,8 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, split: st
         if engine is not None:
             engine.close()
     n, success = counts["episodes"], counts["success"] / max(counts["episodes"], 1)
-    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split, "backend": cfg.model.backend,
+    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "iteration": meta["iteration"] + 1, "split": split,
+            "backend": cfg.model.backend,
             "episodes": n, "tasks": len(build_suite(cfg, stage).tasks(split)), "success": success, "successes": int(counts["success"]),
             "stderr": math.sqrt(max(success * (1 - success), 0.0) / n), "summary": summary_content(counts),
             "wall_s": round(time.perf_counter() - t0, 1)}

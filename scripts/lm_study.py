@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The LM study (issue 13, docs/lm_study.md): the command line of :mod:`crl.experiments.lm_study`, whose docstring
+"""The LM study (docs/lm_study.md): the command line of :mod:`crl.experiments.lm_study`, whose docstring
 says what each run is, what the report holds and how a study resumes.
 
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
@@ -7,7 +7,7 @@ says what each run is, what the report holds and how a study resumes.
                                [--final-split dev|test] [--final-episodes N] [--force] [--carry REPORT] [--report-only]
                                [--export DIR] [--allow-dirty] [--kernel default|avx2|avx512|scalar]
 
-The keep study (issue 47, docs/lm_lora.md "The keep study's runner"), run or resumed by one command:
+The keep study (docs/lm_lora.md "The keep study's runner"), run or resumed by one command:
 
     python scripts/lm_study.py --config-dir configs/lm_keep --arms joint frozen no_cross_trajectory --seeds S1 ... S5 \
         --gate keep --final-split test --final-episodes 120 --export EXPORT_DIR --out runs/lm_keep
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from crl.experiments.lm_study import ARMS, GATES, SEEDS, Study  # noqa: E402  (pure: no torch)
-from crl.experiments.sweep import KERNELS  # noqa: E402
+from crl.experiments.kernels import KERNELS  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,13 +39,14 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", action="store_true", help="train nothing: report the finished runs (others: NOT RUN)")
     ap.add_argument("--carry", metavar="REPORT", help="an earlier report.json of this study: its finished, audited runs stand in for "
                     "runs with no directory here (same config, overrides and final evaluation, else it stops)")
-    ap.add_argument("--force", action="store_true", help="rerun a run saved with other settings (moved to OUT/replaced/) instead of refusing")
+    ap.add_argument("--force", action="store_true",
+                    help="rerun a run saved with other settings (moved to OUT/replaced/) instead of refusing")
     ap.add_argument("--final-episodes", type=int, default=None, help="episodes of each run's final-checkpoint evaluation "
                     "(scripts/evaluate.py; default 240 = each of the 60 tasks 4 times; 8 with --quick; 0: none)")
     ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation (the reported "
                     "number; dev is also what the training curves use, so test is the held-out one)")
     ap.add_argument("--gate", default="chain", choices=GATES, help="the preregistered gate the report judges: chain (GATE, the memory "
-                    "chain studies), pretrained (PRETRAINED_GATE, issue 39's SmolLM2 study) or keep (KEEP_GATE, issue 47's keep study)")
+                    "chain studies), pretrained (PRETRAINED_GATE, the SmolLM2 study) or keep (KEEP_GATE, the keep study)")
     ap.add_argument("--export", metavar="DIR", help="copy each finished run's evidence (config, metrics, audit, final evaluation, code, "
                     "curves, decoded summaries; no checkpoints) to DIR/ARM_seedS/ for committing; --carry checks carried rows against "
                     "the files committed there")
@@ -61,12 +62,14 @@ def main(argv=None) -> int:
         ap.error("--arms and --seeds must not repeat")
     if args.force and args.report_only:
         ap.error("--force reruns runs and --report-only trains none: use one")
-    if args.gate == "keep" and args.carry and not args.export:
-        ap.error("--gate keep carries a row only when its files match the committed run files: pass --export DIR (where they are committed)")
-    return Study(args.arms, args.seeds, args.out, config_dir=args.config_dir, gate=args.gate, quick=args.quick, overrides=args.set,
-                 parallel=args.parallel, final_episodes=args.final_episodes, final_split=args.final_split, report_only=args.report_only,
-                 force=args.force, carry=args.carry, export=args.export, allow_dirty=args.allow_dirty,
-                 kernel=args.kernel).main()
+    try:  # the study refuses what cannot run together (--gate keep --carry without --export, ...)
+        study = Study(args.arms, args.seeds, args.out, config_dir=args.config_dir, gate=args.gate, quick=args.quick, overrides=args.set,
+                      parallel=args.parallel, final_episodes=args.final_episodes, final_split=args.final_split,
+                      report_only=args.report_only, force=args.force, carry=args.carry, export=args.export,
+                      allow_dirty=args.allow_dirty, kernel=args.kernel)
+    except ValueError as err:
+        ap.error(str(err))
+    return study.main()
 
 
 if __name__ == "__main__":

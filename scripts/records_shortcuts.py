@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     for s in SPLITS:
         print(f"{s}: above chance + 0.05: {', '.join(rows[s]['above_chance_plus_0.05']) or 'none'}")
     if args.out:
-        atomic_write_text(args.out, json.dumps({"config": args.config, "overrides": args.set, "code": git_state(), **table}, indent=2) + "\n")
+        atomic_write_text(args.out, json.dumps({"config": args.config, "overrides": args.set, "code": git_state(), **table},
+                                               indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from crl.experiments.summary_content import NoEvidence, UnsupportedTask, decode_run, export_census, plot_census  # noqa: E402  (pure: torch is imported per run)
+# noqa: E402  (pure: torch is imported per run)
+from crl.experiments.summary_content import NoEvidence, UnsupportedTask, decode_run, export_census, plot_census
 from crl.io import atomic_write_json  # noqa: E402
 
 
@@ -47,11 +48,13 @@ def main(argv=None) -> None:
         atomic_write_json(args.out, census)
         plot_census(census, args.out.with_suffix(".png"))
         for arm, by in census["arms"].items():
-            print(arm, "  ".join(f"{which}: {c['pairs']} pairs " + " ".join(f"{k} {c[k] / max(c['pairs'], 1):.2f}" for k in census["pair_classes"])
+            print(arm, "  ".join(f"{which}: {c['pairs']} pairs " + " ".join(f"{k} {c[k] / max(c['pairs'], 1):.2f}"
+                                                                            for k in census["pair_classes"])
                                  + f", complete {c['complete']}/{c['summaries']}, keys final {c['keys_final']}/{c['keys_written']}"
                                  for which, c in by.items()))
         for pair, by in census["identical"].items():
-            print(f"identical summaries {pair.replace('|', ' vs ')}: " + ", ".join(f"{which} {n[0]}/{n[1]} episodes" for which, n in by.items()))
+            print(f"identical summaries {pair.replace('|', ' vs ')}: "
+                  + ", ".join(f"{which} {n[0]}/{n[1]} episodes" for which, n in by.items()))
         print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
         return
     if not args.run_dirs:

@@ -36,6 +36,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from crl.experiments import tabular_arms as ta  # noqa: E402
 from crl.experiments import tabular_chain as tc  # noqa: E402
 from crl.io import atomic_write, atomic_write_json  # noqa: E402
 from crl.provenance import git_state  # noqa: E402
@@ -43,11 +44,11 @@ from crl.provenance import git_state  # noqa: E402
 SEEDS = (7, 17, 29)
 
 
-def quick_config(base: tc.TabularRunConfig) -> tc.TabularRunConfig:
+def quick_config(base: ta.TabularRunConfig) -> ta.TabularRunConfig:
     """A smoke configuration: a few iterations per stage, tiny batches and evaluations."""
     return replace(
         base,
-        curriculum=(tc.Stage(2, (), 2), tc.Stage(8, (5,), 2), tc.Stage(16, (6, 12), 2), tc.FINAL_STAGE),
+        curriculum=(ta.Stage(2, (), 2), ta.Stage(8, (5,), 2), ta.Stage(16, (6, 12), 2), ta.FINAL_STAGE),
         iterations=8,
         batch_episodes=16,
         final_batch_episodes=8,
@@ -60,10 +61,10 @@ def quick_config(base: tc.TabularRunConfig) -> tc.TabularRunConfig:
 
 def _job(arm: str, seed: int, quick: bool) -> dict:
     torch.set_num_threads(1)
-    base = quick_config(tc.TabularRunConfig()) if quick else tc.TabularRunConfig()
-    cfg = tc.arm_config(arm, base)
+    base = quick_config(ta.TabularRunConfig()) if quick else ta.TabularRunConfig()
+    cfg = ta.arm_config(arm, base)
     if quick and arm.startswith("nocurr"):
-        cfg = replace(cfg, curriculum=(base.curriculum[0], tc.FINAL_STAGE))
+        cfg = replace(cfg, curriculum=(base.curriculum[0], ta.FINAL_STAGE))
     return tc.train_run(arm, seed, cfg)
 
 
@@ -95,7 +96,7 @@ def plot_curves(results: dict, path: Path, arms: list[str], gate_th: dict) -> No
             ax.plot(xs, mean, color=c, lw=2, label=f"{arm} (mean of {len(curves)} seeds)")
             if arm == "joint":  # where the 96-step stage starts (per seed)
                 for r in runs.values():
-                    it = next((s[0] for s in r["stage_starts"] if s[2] == tc.FINAL_STAGE.length), None)
+                    it = next((s[0] for s in r["stage_starts"] if s[2] == ta.FINAL_STAGE.length), None)
                     if it is not None:
                         ax.axvline(it, color=c, ls=":", lw=0.8, alpha=0.6)
         ax.axhline(0.25, color="gray", ls="--", lw=0.8, label="chance (4 codes)")
@@ -106,7 +107,8 @@ def plot_curves(results: dict, path: Path, arms: list[str], gate_th: dict) -> No
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="center right")
-    fig.suptitle("Tabular policy on the memory chain, 96 steps, compaction forced at 24/48/72, k = 2 (thin: seeds; dotted: joint enters 96-step stage)",
+    fig.suptitle("Tabular policy on the memory chain, 96 steps, compaction forced at 24/48/72, k = 2 (thin: seeds; dotted: joint enters "
+                 "96-step stage)",
                  fontsize=9)
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/tabular_chain", help="output folder (default runs/tabular_chain)")
     ap.add_argument("--quick", action="store_true", help="smoke run: a few iterations, tiny evaluations")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    ap.add_argument("--arms", nargs="+", default=list(tc.DEFAULT_ARMS), choices=sorted(tc.ARMS))
+    ap.add_argument("--arms", nargs="+", default=list(ta.DEFAULT_ARMS), choices=sorted(ta.ARMS))
     ap.add_argument("--workers", type=int, default=2, help="parallel processes, one thread each (default 2)")
     args = ap.parse_args(argv)
     arms = list(dict.fromkeys(args.arms))
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     if "joint" in acc and "frozen" in acc:
         gate = tc.gate(acc["joint"], acc["frozen"])
         verdict = gate["verdict"]
-    base_cfg = quick_config(tc.TabularRunConfig()) if args.quick else tc.TabularRunConfig()
+    base_cfg = quick_config(ta.TabularRunConfig()) if args.quick else ta.TabularRunConfig()
     report = {
         "experiment": "tabular_chain_96",
         "verdict": verdict,
@@ -164,8 +166,8 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "arms": {
             arm: {
-                "description": tc.ARM_DESCRIPTIONS.get(arm, ""),
-                "overrides": {k: (str(v) if k == "curriculum" else v) for k, v in tc.ARMS[arm].items()},
+                "description": ta.ARM_DESCRIPTIONS.get(arm, ""),
+                "overrides": {k: (str(v) if k == "curriculum" else v) for k, v in ta.ARMS[arm].items()},
                 "accuracies": acc[arm],
                 "mean_accuracy": sum(acc[arm]) / len(acc[arm]),
                 "mean_iter0_dev_accuracy": sum(results[arm][s]["curve"][0][1] for s in seeds) / len(seeds),

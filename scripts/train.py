@@ -81,11 +81,13 @@ def resume_advice(run_dir, err: BaseException, what: str = "lost the process gro
     if checkpoint is None:
         where = f"{run_dir} has no intact checkpoint yet: a restart or relaunch starts afresh"
     elif done < restarts:
-        where = f"the newest intact checkpoint is {checkpoint}: torchrun restarts the group (restart {done + 1} of {restarts}), which resumes from it"
+        where = (f"the newest intact checkpoint is {checkpoint}: torchrun restarts the group (restart {done + 1} of {restarts}), which "
+                 "resumes from it")
     else:
         where = (f"the newest intact checkpoint is {checkpoint}: relaunch the same command on every machine to resume from it "
                  "(checkpoint.resume=auto), or launch with torchrun --max-restarts to restart by itself")
-    cause = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__  # gloo's source location
+    # gloo's source location
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
     cause = cause if len(cause) <= 160 else cause[:160] + "..."
     return (f"error: rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')} {what} ({cause}): {why}; {where} "
             "(docs/cluster.md)")

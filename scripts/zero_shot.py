@@ -6,7 +6,8 @@ own summaries, with a correct summary written in, and how often its own summarie
         [--warm-start] [--out FILE.json]
 
 Each condition is one evaluation (the dev split, the run's evaluation seeds, ``--episodes`` episodes) of the untrained
-policy; the JSON holds every condition's counts and its first summaries, the config overrides and the code version; a Markdown table is printed.
+policy; the JSON holds every condition's counts and its first summaries, the config overrides and the code version; a Markdown table is
+printed.
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def main(argv=None) -> int:
     parser.add_argument("--split", default="dev")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides (the task's size, budget, ...)")
     parser.add_argument("--conditions", nargs="*", default=list(CONDITIONS), choices=CONDITIONS)
-    parser.add_argument("--no-compaction-capacity", type=int, default=1536, help="C of the no_compaction condition (the whole episode fits)")
-    parser.add_argument("--warm-start", action="store_true", help="first the config's warm start (the command format; summary content never trained)")
+    parser.add_argument("--no-compaction-capacity", type=int, default=1536,
+                        help="C of the no_compaction condition (the whole episode fits)")
+    parser.add_argument("--warm-start", action="store_true",
+                        help="first the config's warm start (the command format; summary content never trained)")
     parser.add_argument("--out", help="JSON file to write (atomically)")
     args = parser.parse_args(argv)
     cfgs = {c: load_config(args.config, [*args.set, f"eval.episodes={args.episodes}", "logging.wandb_mode=disabled",
@@ -48,16 +51,17 @@ def main(argv=None) -> int:
     print("\n| condition | success (± s.e.) | truncated | compactions / episode | own summaries holding | last summary holds |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['condition']} | {r['success']:.3f} ± {r['stderr']:.3f} ({r['successes']}/{r['episodes']}) | {r['truncated_frac']:.2f} | "
-              f"{r['compactions_per_episode']:.2f} | {fmt(r['holds_frac'])} ({r['summaries_holding']}/{r['summaries_judged']}) | {fmt(r['last_holds_frac'])} |")
+        print(f"| {r['condition']} | {r['success']:.3f} ± {r['stderr']:.3f} ({r['successes']}/{r['episodes']}) | "
+              f"{r['truncated_frac']:.2f} | {r['compactions_per_episode']:.2f} | {fmt(r['holds_frac'])} "
+              f"({r['summaries_holding']}/{r['summaries_judged']}) | {fmt(r['last_holds_frac'])} |")
     for r in rows:
         if r["examples"]:
             print(f"\n{r['condition']}, the first summaries: " + " | ".join(repr(e) for e in r["examples"]))
     if args.out:
         from crl.provenance import git_state
 
-        report = {"config": args.config, "overrides": args.set, "warm_start": args.warm_start, "split": args.split, "episodes": args.episodes,
-                  "code": git_state(), "conditions": rows}
+        report = {"config": args.config, "overrides": args.set, "warm_start": args.warm_start, "split": args.split,
+                  "episodes": args.episodes, "code": git_state(), "conditions": rows}
         atomic_write_text(Path(args.out), json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0

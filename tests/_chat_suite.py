@@ -57,7 +57,8 @@ class EchoSuite:
     def __init__(self, tokenizer, seed: int = 0, n_tasks: int = 6, filler: int = 60, system: str = "Answer with FINAL <word>."):
         self.tokenizer, self.filler, self.system = tokenizer, filler, system
         words = ["apple", "river", "stone", "cloud", "maple", "ember", "frost", "delta"]
-        self._tasks = {split: [words[(seed + i + 3 * j) % len(words)] for i in range(n_tasks)] for j, split in enumerate(("train", "dev", "test"))}
+        self._tasks = {split: [words[(seed + i + 3 * j) % len(words)] for i in range(n_tasks)]
+                       for j, split in enumerate(("train", "dev", "test"))}
 
     def tasks(self, split):
         return self._tasks[split]

@@ -12,10 +12,14 @@ from crl.compaction import CompactionConfig, CompactionEngine, Decision
 from crl.envs import MemoryChainSuite, SequentialRecordsSuite
 
 CASES = [
-    dict(name="memory_chain_forced", suite="mc", cfg=dict(context_capacity=4096, min_remaining=256, max_summary_tokens=16, forced_steps=(4, 8), keep_recent=2)),
-    dict(name="records_budget", suite="sr", cfg=dict(context_capacity=160, min_remaining=40, max_summary_tokens=12, max_compactions=3, keep_recent=2)),
-    dict(name="records_keep_task_frozen", suite="sr", frozen=True, cfg=dict(context_capacity=130, min_remaining=40, max_summary_tokens=12, max_compactions=2, keep_recent=1, keep_task_prompt=True)),
-    dict(name="tight_overflow", suite="sr", cfg=dict(context_capacity=110, min_remaining=30, max_summary_tokens=8, max_compactions=1, keep_recent=3)),
+    dict(name="memory_chain_forced", suite="mc",
+         cfg=dict(context_capacity=4096, min_remaining=256, max_summary_tokens=16, forced_steps=(4, 8), keep_recent=2)),
+    dict(name="records_budget", suite="sr",
+         cfg=dict(context_capacity=160, min_remaining=40, max_summary_tokens=12, max_compactions=3, keep_recent=2)),
+    dict(name="records_keep_task_frozen", suite="sr", frozen=True,
+         cfg=dict(context_capacity=130, min_remaining=40, max_summary_tokens=12, max_compactions=2, keep_recent=1, keep_task_prompt=True)),
+    dict(name="tight_overflow", suite="sr",
+         cfg=dict(context_capacity=110, min_remaining=30, max_summary_tokens=8, max_compactions=1, keep_recent=3)),
 ]
 
 

@@ -50,6 +50,32 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def float_path() -> dict:
+    """What decides this process's floats besides crl's code: the CPU, torch's build (its BLAS and oneDNN versions are
+    in ``torch.__config__.show()``), the ATen kernels it picked, its threads, and the bits of a probe computed under
+    them (matrix products of the reference model's shapes at several row counts, whose blocking the BLAS picks by
+    shape, softmaxes and reductions). A process whose float path equals the one that reproduced the reference bit for
+    bit computes the same floats for the same code: the test compares it exactly."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    g = torch.Generator().manual_seed(0)
+    probe = hashlib.sha256()
+    hidden, inner, vocab = 96, 256, 160  # llama-mini's widths; a vocabulary of the word tokenizer's order
+    w_in, w_out, w_head = (torch.randn(shape, generator=g) for shape in ((inner, hidden), (hidden, inner), (vocab, hidden)))
+    for rows in (1, 3, 17, 64, 257, 1000):
+        x = torch.randn(rows, hidden, generator=g)
+        h = torch.nn.functional.silu(x @ w_in.T) @ w_out.T
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        logits = h @ w_head.T
+        out = [logits, torch.log_softmax(logits, -1), torch.softmax(h @ h.T / 24 ** 0.5, -1), logits.sum(0), logits.exp().mean()]
+        for t in out:
+            probe.update(t.contiguous().numpy().tobytes())
+    return {"cpu": cpu, "torch": torch.__version__, "build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
+            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "probe": probe.hexdigest()[:16]}
+
+
 def reference_records(run_dir) -> list[dict]:
     """metrics.jsonl of ``run_dir`` without the perf/* keys (timings and memory: never reproducible)."""
     recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -68,16 +94,18 @@ def run_reference(out: Path) -> None:
         Trainer(load_config(CONFIG, [f"run_dir={Path(tmp) / 'run'}"])).fit()
         recs = reference_records(Path(tmp) / "run")
     out.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability()}))
+    print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "float_path": float_path()}))
 
 
-def run_under(kernel_env: dict, out: Path) -> str:
+def run_under(kernel_env: dict, out: Path) -> dict:
+    """The reference run under ``kernel_env`` in a fresh process, its records to ``out``; returns what it printed
+    (``capability``, ``float_path``)."""
     env = {k: v for k, v in os.environ.items() if k not in KERNEL_VARS}
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", **kernel_env)
     proc = subprocess.run([sys.executable, __file__, "--run", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"reference run under {kernel_env} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["capability"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def rel_diff(a: float, b: float) -> float:
@@ -99,7 +127,8 @@ def main() -> None:
         kernels = {}
         for name, kernel_env in KERNELS.items():
             out = Path(tmp) / f"{name}.jsonl"
-            capability = run_under(kernel_env, out)
+            ran = run_under(kernel_env, out)
+            capability = ran["capability"]
             got = [json.loads(line) for line in out.read_text().splitlines()]
             if [r["step"] for r in got] != [r["step"] for r in reference] or any(a.keys() != b.keys() for a, b in zip(got, reference)):
                 raise SystemExit(f"{name}: other steps or keys than the reference: not a float difference; regenerate on purpose")
@@ -111,7 +140,7 @@ def main() -> None:
                         spread[k] = max(spread[k], d)
                         worst[k] = max(worst.get(k, 0.0), d)
             kernels[name] = {"env": kernel_env, "capability": capability, "identical_to_reference": got == reference,
-                             "max_rel": dict(sorted(worst.items()))}
+                             "float_path": ran["float_path"], "max_rel": dict(sorted(worst.items()))}
             print(f"{name:30s} {capability:8s} identical={got == reference}  max rel {max(worst.values()):.2e}", flush=True)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()

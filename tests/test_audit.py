@@ -464,7 +464,8 @@ def test_the_audit_imports_nothing_of_the_estimator_loss_or_learner():
     them. Complements test_cli_clean_run_passes, which sees only the modules one clean run happens to import."""
     sources = crl_sources()
     modules = audit_modules(sources)
-    assert {"crl.audit.evidence", "crl.audit.estimator", "crl.audit.grad_norms", "crl.audit.checkpoints", "crl.audit.report"} <= set(modules)
+    assert {"crl.audit.evidence", "crl.audit.estimator", "crl.audit.grad_norms", "crl.audit.checkpoints",
+            "crl.audit.report"} <= set(modules)
     reached = crl_imports("crl.audit", sources)
     assert set(modules) - {"crl.audit.__main__"} <= set(reached), "a module of the audit that crl.audit does not import"
     assert "crl.modules.networks" in reached  # the graph sees the lazy import of the checkpoint check (ValueModel)
@@ -490,7 +491,7 @@ def test_the_import_check_fails_when_the_audit_imports_the_estimator(module, add
 
 
 # ------------------------------------------------------------------------------------------------------------
-# issue 10: critic warm-up iterations and the frozen-summary arm
+# Critic warm-up iterations and the frozen-summary arm
 # ------------------------------------------------------------------------------------------------------------
 
 

@@ -19,9 +19,9 @@ CONTROLLERS = ("memory", "pids")
 class KernelRules(CgroupFiles):
     """A cgroup2 mount in ``root`` (a temporary directory) with the kernel's rules where crl's operations meet them:
     a cgroup's ``cgroup.controllers`` is its parent's ``cgroup.subtree_control`` (at once: enabling a controller
-    gives it to the existing children too) and its interface files are those of its controllers; a controller can be enabled only if it is in the cgroup's own ``cgroup.controllers``
-    (else ENOENT); no controller can be enabled in a non-root cgroup that holds processes, nor a process moved into
-    a non-root cgroup whose ``subtree_control`` is set (EBUSY: the no-internal-process rule); rmdir of a cgroup
+    gives it to the existing children too) and its interface files are those of its controllers; a controller can be enabled only if it is
+    in the cgroup's own ``cgroup.controllers`` (else ENOENT); no controller can be enabled in a non-root cgroup that holds processes, nor a
+    process moved into a non-root cgroup whose ``subtree_control`` is set (EBUSY: the no-internal-process rule); rmdir of a cgroup
     with processes or children is EBUSY; files the kernel does not make cannot be written (ENOENT). Every write
     is recorded, so a test can check where crl wrote."""
 
@@ -233,7 +233,7 @@ def test_v2_for_real_where_this_machine_has_it():
         assert call.remove()
 
 
-# --- a cgroup delegated to crl (tools.cgroup_parent, issue 48) ------------------------------------------------------
+# --- a cgroup delegated to crl (tools.cgroup_parent) ------------------------------------------------------
 
 def _made_by_crl(fake: KernelRules, given: Path) -> list:
     """Where crl wrote outside the cgroups it made: must be at most the given cgroup's cgroup.subtree_control."""

@@ -39,7 +39,8 @@ def chat_episode(fmt, *, keep_task=False, C=300, stop_every_action=True, rng_see
     suite = SequentialRecordsSuite(n_records=6)
     env = suite.make_env(suite.tasks("train")[0])
     engine = CompactionEngine(
-        CompactionConfig(context_capacity=C, min_remaining=80, max_compactions=1, keep_recent=2, max_summary_tokens=24, keep_task_prompt=keep_task),
+        CompactionConfig(context_capacity=C, min_remaining=80, max_compactions=1, keep_recent=2, max_summary_tokens=24,
+                         keep_task_prompt=keep_task),
         fmt.encode, eos_id=fmt.stop_id, prompt_format=fmt,
     )
     task = env.reset()
@@ -76,7 +77,8 @@ def test_chat_pieces_tokenize_like_the_template(smollm2_tokenizer):
     msgs += [{"role": "assistant", "content": "next"}, {"role": "user", "content": "record 1 : key red = 3"}]
     assert ids == fmt.encode(rendered(fmt, msgs))  # token for token, not only as text
     # an action cut by its budget (no end-of-turn): the observation closes the turn for it
-    ids2 = fmt.system_ids() + fmt.task_ids("the task") + fmt.encode("next") + fmt.observation_ids("record 1 : key red = 3", after_stop=False)
+    ids2 = fmt.system_ids() + fmt.task_ids("the task") + fmt.encode("next") + fmt.observation_ids("record 1 : key red = 3",
+                                                                                                  after_stop=False)
     assert ids2 == ids
     # the summary request closes the open (empty) assistant turn, then asks as a user
     req = fmt.system_ids() + fmt.task_ids("the task") + fmt.summary_request_ids()
@@ -156,7 +158,8 @@ def test_chat_episode_with_budget_cut_actions_still_renders_as_template(smollm2_
         msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": o}]
     assert segs[0].tokens == fmt.encode(rendered(fmt, msgs))
     # the closing <|im_end|> of a cut action is template (observation provenance), not a trained token
-    stops = [(p, m) for t, p in zip(segs[0].tokens, segs[0].provenance) if t == fmt.stop_id for m in [p in {int(x) for x in OPTIMIZED_PROVENANCE}]]
+    stops = [(p, m) for t, p in zip(segs[0].tokens, segs[0].provenance) if t == fmt.stop_id
+             for m in [p in {int(x) for x in OPTIMIZED_PROVENANCE}]]
     assert any(p == Provenance.OBSERVATION for p, _ in stops) and any(m for _, m in stops)
 
 
@@ -202,7 +205,8 @@ def test_collector_plays_a_compacted_chat_episode_with_the_real_model(smollm2_lm
     suite = SequentialRecordsSuite(n_records=2, extra_steps=1)
     collector = CompactionCollector(
         suite, "train", TransformersBackend(smollm2_lm, seed=3), fmt.encode, lambda ids: tok.decode(list(ids)), fmt.stop_id,
-        CompactionConfig(context_capacity=400, min_remaining=60, max_compactions=1, keep_recent=1, max_summary_tokens=12, forced_steps=(1,)),
+        CompactionConfig(context_capacity=400, min_remaining=60, max_compactions=1, keep_recent=1, max_summary_tokens=12,
+                         forced_steps=(1,)),
         episodes_per_batch=1, max_action_tokens=6, sampling=SamplingSpec(temperature=1.0, stop_token_ids=(fmt.stop_id,)),
         progress=False, engine_kwargs={"prompt_format": fmt},
     )

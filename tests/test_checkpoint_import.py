@@ -55,7 +55,8 @@ def test_unsupported_architecture_is_refused_before_loading(tmp_path):
     with pytest.raises(CheckpointImportError, match="unsupported GGUF architecture 'bert'"):
         import_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.importing-*"))
-    r = subprocess.run([sys.executable, "scripts/import_checkpoint.py", "--gguf", str(path), "--out", str(tmp_path / "o2")], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run([sys.executable, "scripts/import_checkpoint.py", "--gguf", str(path), "--out", str(tmp_path / "o2")], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("import_checkpoint: unsupported GGUF architecture 'bert'")
 
 
@@ -73,7 +74,8 @@ def test_smollm2_import_is_a_standard_checkpoint_equal_to_the_gguf(smollm2_dir, 
     tok = smollm2_tokenizer
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.chat_template and len(tok) == 49152
     # the same logits as transformers' own GGUF load (dequantized weights copied exactly)
-    ids = torch.tensor([tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)])
+    ids = torch.tensor([tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+                                                           add_generation_prompt=True), add_special_tokens=False)])
     local = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=torch.float32).eval()
     if have_smollm2():
         gguf = find_known_gguf("smollm2-135m-instruct")

@@ -33,7 +33,8 @@ def collector(lm, s=None, **kw):
     cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=s.compaction_steps, keep_recent=2)
     kw.setdefault("episodes_per_batch", 6)
     kw.setdefault("progress", False)
-    return CompactionCollector(s, "train", TransformersBackend(lm, seed=kw.pop("backend_seed", 0)), encode, decode, EOS_ID, cfg, max_action_tokens=5, **kw)
+    return CompactionCollector(s, "train", TransformersBackend(lm, seed=kw.pop("backend_seed", 0)), encode, decode, EOS_ID, cfg,
+                               max_action_tokens=5, **kw)
 
 
 def test_collected_batch_is_valid_and_compacted(lm):
@@ -132,7 +133,8 @@ def test_frozen_summary_mode(lm):
 def test_generation_bounded_by_remaining_context(lm):
     s = suite(length=40)
     cfg = CompactionConfig(context_capacity=400, min_remaining=8, max_summary_tokens=4, max_compactions=0)
-    col = CompactionCollector(s, "train", TransformersBackend(lm), encode, decode, EOS_ID, cfg, episodes_per_batch=3, max_action_tokens=16, progress=False)
+    col = CompactionCollector(s, "train", TransformersBackend(lm), encode, decode, EOS_ID, cfg, episodes_per_batch=3, max_action_tokens=16,
+                              progress=False)
     td = col.collect()
     validate_episodes(td)
     assert (td["attention_mask"].sum(-1) <= 400).all()

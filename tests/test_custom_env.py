@@ -138,7 +138,8 @@ def test_example_trains_through_scripts_train_and_audits(tmp_path):
     """The user's path: scripts/train.py --config examples/key_value.yaml, from the repository root, then the audit."""
     env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PATH": "/usr/bin:/bin"}
     run_dir = tmp_path / "kv"
-    cmd = [sys.executable, "scripts/train.py", "--config", str(EXAMPLE), f"run_dir={run_dir}", "model.preset=llama-tiny", "model.value_head_init=normal",
+    cmd = [sys.executable, "scripts/train.py", "--config", str(EXAMPLE), f"run_dir={run_dir}", "model.preset=llama-tiny",
+           "model.value_head_init=normal",
            "train.iterations=2", "train.episodes_per_batch=6", "warm_start.steps=20", "warm_start.batch_episodes=4",
            "eval.episodes=4", "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false",
            "train.critic_warmup_iterations=0", "checkpoint.evidence_every=1"]
@@ -153,5 +154,6 @@ def test_example_trains_through_scripts_train_and_audits(tmp_path):
     rollout = load_episodes(run_dir / "evidence" / "iter_000001" / "rank_0" / "rollout.pt")
     text = decode(rollout["tokens"][0][rollout["attention_mask"][0]].tolist())
     assert text.startswith(load_config(EXAMPLE).prompt.system) and "record : key" in text, text
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr

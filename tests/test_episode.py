@@ -32,7 +32,8 @@ def rollout(rid=0, reward=1.0, status=EpisodeStatus.COMPLETED):
         [
             segment(SegmentKind.EXECUTION, [(P.SYSTEM, 2), (P.TASK, 3), (P.ACTION, 2), (P.OBSERVATION, 2), (P.ACTION, 3)]),
             segment(SegmentKind.SUMMARY, [(P.SYSTEM, 2), (P.COPIED_ACTION, 2), (P.SUMMARY_INSTRUCTION, 2), (P.SUMMARY, 4)]),
-            segment(SegmentKind.EXECUTION, [(P.SYSTEM, 2), (P.RESUME_TEMPLATE, 1), (P.COPIED_SUMMARY, 4), (P.COPIED_TAIL, 3), (P.ACTION, 1)]),
+            segment(SegmentKind.EXECUTION, [(P.SYSTEM, 2), (P.RESUME_TEMPLATE, 1), (P.COPIED_SUMMARY, 4), (P.COPIED_TAIL, 3),
+                                            (P.ACTION, 1)]),
         ],
         rollout_id=rid,
         reward=reward,
@@ -71,7 +72,8 @@ CASES = {
     "finite": lambda td: td["sample_log_prob"].__setitem__((0, 5), float("nan")),
     "loss-mask": lambda td: td["loss_mask"].__setitem__((0, 7), True),  # observation
     "attention-mask": lambda td: td["attention_mask"].__setitem__((1, 11), True),
-    "padding": lambda td: (td["provenance"].__setitem__((1, 5), int(P.PADDING)), td["attention_mask"].__setitem__((1, 5), False), td["loss_mask"].__setitem__((1, 5), False)),
+    "padding": lambda td: (td["provenance"].__setitem__((1, 5), int(P.PADDING)), td["attention_mask"].__setitem__((1, 5), False),
+                           td["loss_mask"].__setitem__((1, 5), False)),
     "position-0": lambda td: (td["provenance"].__setitem__((0, 0), int(P.ACTION)), td["loss_mask"].__setitem__((0, 0), True)),
     "log-prob": lambda td: td["sample_log_prob"].__setitem__((0, 0), -1.0),
     "shared": lambda td: td["reward"].__setitem__(1, 0.5),

@@ -42,7 +42,8 @@ def test_evaluate_script_equals_the_trainers_evaluation_of_each_checkpoint(tmp_p
     seen = set()
     for name, extra in runs.items():
         run = tmp_path / name
-        Trainer(load_config(ROOT / "configs/default.yaml", [f"run_dir={run}", *TINY, "train.iterations=2", "eval.every=1", "eval.episodes=12",
+        Trainer(load_config(ROOT / "configs/default.yaml",
+                            [f"run_dir={run}", *TINY, "train.iterations=2", "eval.every=1", "eval.episodes=12",
                                                             "checkpoint.every=1", "checkpoint.keep_last=2", *extra])).fit()
         logged = logged_dev_success(run)
         with RunDirLock(run):  # a training run holding the directory does not stop an evaluation
@@ -62,7 +63,8 @@ def test_evaluate_script_command_line(tmp_path):
     import sys
 
     run = tmp_path / "run"
-    Trainer(load_config(ROOT / "configs/default.yaml", [f"run_dir={run}", *TINY, "train.iterations=1", "eval.episodes=4", "warm_start.steps=20"])).fit()
+    Trainer(load_config(ROOT / "configs/default.yaml",
+                        [f"run_dir={run}", *TINY, "train.iterations=1", "eval.episodes=4", "warm_start.steps=20"])).fit()
     out = subprocess.run([sys.executable, "scripts/evaluate.py", str(run), "--split", "test", "--episodes", "6"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -84,7 +86,8 @@ def test_an_evaluation_plays_eval_episodes_whatever_the_world_size(episodes, wor
     from crl.modules.generation import TransformersBackend
     from crl.modules.networks import build_causal_lm
 
-    cfg = load_config(ROOT / "configs" / "default.yaml", [f"eval.episodes={episodes}", "logging.wandb_mode=disabled", "logging.progress=false"])
+    cfg = load_config(ROOT / "configs" / "default.yaml",
+                      [f"eval.episodes={episodes}", "logging.wandb_mode=disabled", "logging.progress=false"])
     codec = build_tokenizer(cfg)
     lm = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=cfg.compaction.context_capacity,
                          eos_token_id=codec.eos_id).eval()
@@ -104,7 +107,7 @@ def test_an_evaluation_plays_eval_episodes_whatever_the_world_size(episodes, wor
 
 
 def test_evaluating_less_often_changes_neither_the_training_nor_the_final_evaluation_nor_the_audit(tmp_path):
-    """``eval.every`` (issue 46: evaluation that costs less than training): evaluations draw from streams of their own
+    """``eval.every`` (evaluation that costs less than training): evaluations draw from streams of their own
     (crl.streams), so a run evaluated after every iteration and one evaluated only at its start and end train the same
     (every training metric equal), log the same final ``dev/success`` and both pass the audit; the sparse run logs
     ``dev/success`` at the iterations it evaluated, and only those."""
@@ -114,8 +117,10 @@ def test_evaluating_less_often_changes_neither_the_training_nor_the_final_evalua
     runs = {}
     for every in (1, 0):
         run = tmp_path / f"every{every}"
-        Trainer(load_config(ROOT / "configs/default.yaml", [f"run_dir={run}", *TINY, "train.iterations=3", f"eval.every={every}", "eval.episodes=8",
-                                                            "warm_start.steps=20", "checkpoint.evidence_every=1", "model.value_head_init=normal",
+        Trainer(load_config(ROOT / "configs/default.yaml",
+                            [f"run_dir={run}", *TINY, "train.iterations=3", f"eval.every={every}", "eval.episodes=8",
+                                                            "warm_start.steps=20", "checkpoint.evidence_every=1",
+                                                            "model.value_head_init=normal",
                                                             "env.invalid_command=observe"])).fit()  # episodes reach the compaction
         runs[every] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         audit = subprocess.run([sys.executable, "scripts/audit.py", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -125,4 +130,5 @@ def test_evaluating_less_often_changes_neither_the_training_nor_the_final_evalua
     assert training(dense) == training(sparse)
     assert [r["step"] for r in dense if "dev/success" in r] == [0, 1, 2, 3]
     assert [r["step"] for r in sparse if "dev/success" in r] == [0, 3]
-    assert [r["dev/success"] for r in dense if r["step"] in (0, 3) and "dev/success" in r] == [r["dev/success"] for r in sparse if "dev/success" in r]
+    assert [r["dev/success"] for r in dense if r["step"] in (0, 3) and "dev/success" in r] == [r["dev/success"] for r in sparse
+                                                                                               if "dev/success" in r]

@@ -1,4 +1,4 @@
-"""Issue 10: every row of the fault table, reproduced on CPU with fixed seeds, asserting the new behaviour.
+"""Every row of the fault table, reproduced on CPU with fixed seeds, asserting the new behaviour.
 
 Sections (one per area of the table; each test names its row):
 
@@ -9,7 +9,7 @@ Sections (one per area of the table; each test names its row):
 5. trainer (added by the trainer-side change): resume, commit order, run-dir lock, config diff, bad inputs
 
 The audit rows ("evidence on a critic warm-up iteration", "frozen-summary runs can never PASS") are tested on
-faked evidence in tests/test_audit.py (section "issue 10"); end-to-end runs belong to section 5.
+faked evidence in tests/test_audit.py (section "critic warm-up iterations and the frozen-summary arm"); end-to-end runs belong to section 5.
 """
 from __future__ import annotations
 
@@ -654,7 +654,8 @@ def kill_at(monkeypatch, method: str, iteration: int, before: bool = True):
 
 
 def audit(run_dir):
-    proc = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True,
+                          timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -811,13 +812,15 @@ def test_cli_second_run_exits_non_zero_with_one_line(tmp_path):
 
 # the quick tier keeps one damaged file; make test all five
 @pytest.mark.parametrize("victim", ["meta.json", *(pytest.param(v, marks=pytest.mark.slow) for v in
-                                                  ("trainer_state.pt", "policy/model.safetensors", "critic.safetensors", "optimizer/actor.pt"))])
+                                                  ("trainer_state.pt", "policy/model.safetensors", "critic.safetensors",
+                                                   "optimizer/actor.pt"))])
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, victim, capsys):
     """Row: a truncated trainer_state.pt / model safetensors / optimizer state gave a raw traceback or went unnoticed."""
     run = tmp_path / "run"
     fit(run, "train.iterations=2", "checkpoint.every=1")
     bad = run / "checkpoints" / "iter_000001" / victim
-    assert bad.is_file(), sorted(p.relative_to(bad.parents[len(Path(victim).parts) - 1]) for p in bad.parents[len(Path(victim).parts) - 1].rglob("*"))
+    assert bad.is_file(), sorted(p.relative_to(bad.parents[len(Path(victim).parts) - 1])
+                                 for p in bad.parents[len(Path(victim).parts) - 1].rglob("*"))
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     capsys.readouterr()
     trainer = fit(run, "train.iterations=3", "checkpoint.every=1")
@@ -973,7 +976,8 @@ REACH_STEP_2 = "env.invalid_command=observe"
 
 
 def _audit(run_dir):
-    proc = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=CLI_ENV, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0 and "audit: PASS" in proc.stdout, proc.stdout + proc.stderr
     return json.loads((Path(run_dir) / "audit.json").read_text())
 
@@ -991,7 +995,8 @@ def test_infrastructure_failures_are_dropped_not_trained(tmp_path, monkeypatch, 
     the evidence (rollout.pt) and are counted (episode/failed), but never reach the estimator, the normaliser or
     training.pt; truncated episodes are still trained. =train keeps the old behaviour. The audit checks the rule."""
     _FailingTrainEnvs(monkeypatch, lambda n: n % 2 == 1)  # every other train episode crashes
-    overrides = ["train.iterations=1", "train.episodes_per_batch=6", "warm_start.steps=20", "checkpoint.evidence_every=1", "model.value_head_init=normal",
+    overrides = ["train.iterations=1", "train.episodes_per_batch=6", "warm_start.steps=20", "checkpoint.evidence_every=1",
+                 "model.value_head_init=normal",
                  REACH_STEP_2]
     trainer = fit(tmp_path / "run", *overrides, *([] if policy == "drop" else ["train.failed_episodes=train"]))
     ev = tmp_path / "run" / "evidence" / "iter_000000" / "rank_0"
@@ -1020,7 +1025,8 @@ def test_an_iteration_whose_every_episode_failed_skips_the_update(tmp_path, monk
     episode crashes: the trainer says so, skips the critic and policy updates (no gradient norm, weights unchanged),
     logs train/update_skipped, keeps the evidence, and the run audits PASS."""
     _FailingTrainEnvs(monkeypatch, lambda n: n >= 4)
-    trainer = fit(tmp_path / "run", "train.iterations=2", "warm_start.steps=20", "checkpoint.evidence_every=1", "checkpoint.every=1", "model.value_head_init=normal",
+    trainer = fit(tmp_path / "run", "train.iterations=2", "warm_start.steps=20", "checkpoint.evidence_every=1", "checkpoint.every=1",
+                  "model.value_head_init=normal",
                   "checkpoint.keep_last=2", REACH_STEP_2)
     assert "iteration 2: all 4 episodes failed" in capsys.readouterr().out
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -90,8 +90,6 @@ def test_critic_initialised_from_actor_and_aligned(lm):
     critic = ValueModel.from_actor(lm)
     for (name, p), (_, q) in zip(critic.backbone.named_parameters(), lm.get_decoder().named_parameters()):
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), name
-    shared = ValueModel.from_actor(lm, share_backbone=True)
-    assert shared.backbone is lm.get_decoder()
     with torch.no_grad():
         critic.value_head.weight.normal_()
     tokens = torch.tensor([[1, 5, 6, 7, 0, 0], [1, 8, 9, 4, 4, 4]])
@@ -126,7 +124,8 @@ def test_prefix_cache_reuse_is_exact_and_used(lm):
     # each episode's context grows by its action and an observation; "c" starts over (not an extension)
     grown = [p + g.token_ids + [11, 12, 13] for p, g in zip(prompts, first)]
     grown[2] = [1, 30, 31]
-    assert [backend._reusable(k, p) for k, p in zip("abc", grown)] == [len(p) + len(g.token_ids) - 1 for p, g in zip(prompts[:2], first[:2])] + [0]
+    assert [backend._reusable(k, p) for k, p in zip("abc", grown)] == [len(p) + len(g.token_ids) - 1
+                                                                       for p, g in zip(prompts[:2], first[:2])] + [0]
     second = backend.generate(grown, [5, 5, 5], params, cache_keys=["a", "b", "c"])
     for prompt, gen in zip(grown, second):
         torch.testing.assert_close(torch.tensor(gen.log_probs), teacher_forced(lm, prompt, gen, 0.9), atol=1e-5, rtol=0)

@@ -21,7 +21,8 @@ V, EOS = 64, 2
 
 
 def lm_on(device, dtype=torch.float32, seed=3):
-    return build_causal_lm("llama-small", vocab_size=V, max_positions=512, eos_token_id=EOS, seed=seed).to(device=device, dtype=dtype).eval()
+    return build_causal_lm("llama-small", vocab_size=V, max_positions=512, eos_token_id=EOS, seed=seed).to(device=device,
+                                                                                                           dtype=dtype).eval()
 
 
 @pytest.mark.parametrize("dtype,max_tol,mean_tol", [(torch.float32, 1e-4, 1e-5), (torch.bfloat16, 0.1, 0.02)], ids=["fp32", "bf16"])

@@ -78,8 +78,10 @@ def test_group_estimator_drives_the_token_summed_loss_without_a_critic():
     actor = TensorDictModule(TinyLM(), ["tokens", "attention_mask"], ["log_prob"])
     mask = torch.zeros(4, 6, dtype=torch.bool)
     mask[:, 3:] = True
-    td = TensorDict(tokens=torch.randint(1, 20, (4, 6)), attention_mask=torch.ones(4, 6), loss_mask=mask, reward=torch.tensor([1.0, 0.0, 0.0, 1.0]),
-                    rollout_id=torch.arange(4), group_id=torch.tensor([0, 0, 2, 2]), segment_kind=torch.zeros(4, dtype=torch.long), batch_size=[4])
+    td = TensorDict(tokens=torch.randint(1, 20, (4, 6)), attention_mask=torch.ones(4, 6), loss_mask=mask,
+                    reward=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+                    rollout_id=torch.arange(4), group_id=torch.tensor([0, 0, 2, 2]), segment_kind=torch.zeros(4, dtype=torch.long),
+                    batch_size=[4])
     with torch.no_grad():
         td["sample_log_prob"] = actor(td.clone())["log_prob"] * mask
     loss = CompactionPPOLoss(actor, None)
@@ -112,7 +114,8 @@ def test_trainer_without_a_critic(tmp_path):
     run = tmp_path / "run"
     trainer = Trainer(load_config(ROOT / "configs/default.yaml", [
         f"run_dir={run}", "algo.estimator=group", "train.group_size=4", "train.episodes_per_batch=8", "train.iterations=2",
-        "train.critic_warmup_iterations=0", "warm_start.steps=150", "warm_start.stop_answer_p=null", "warm_start.batch_episodes=8", "eval.episodes=4", "eval.every=0",
+        "train.critic_warmup_iterations=0", "warm_start.steps=150", "warm_start.stop_answer_p=null", "warm_start.batch_episodes=8",
+        "eval.episodes=4", "eval.every=0",
         "checkpoint.evidence_every=1", "logging.wandb_mode=disabled", "logging.progress=false"]))
     assert trainer.critic is None and trainer.models.critic_model is None and trainer.critic_loss is None
     trainer.fit()

@@ -1,4 +1,4 @@
-"""No import cycle between crl's modules (issue 27): every ``import`` of a ``crl`` module, at the top of a file or
+"""No import cycle between crl's modules: every ``import`` of a ``crl`` module, at the top of a file or
 inside a function (a lazy import is still an edge of the design), read from the source with ``ast``."""
 from __future__ import annotations
 

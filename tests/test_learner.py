@@ -26,12 +26,14 @@ from crl.learner import (  # noqa: E402
     split_microbatches,
     split_rows,
 )
-from crl.modules.networks import CausalLMLogProbs, ValueModel, build_causal_lm  # noqa: E402
+from crl.modules.networks import CausalLMLogProbs, PolicyValueLM, ValueModel, build_causal_lm  # noqa: E402
 from crl.modules.tokenizer import load_tokenizer  # noqa: E402
 from crl.objectives import CompactionPPOLoss, CrossTrajectoryGAE, make_normalizer  # noqa: E402
+from crl.sampling import SamplingSpec  # noqa: E402
 
 VOCAB = len(load_tokenizer())
 KEYS = ["tokens", "attention_mask"]
+POLICY_VALUE = ["log_prob", "entropy", "state_value"]  # what a shared trunk's one forward writes
 WORLD = 2
 
 
@@ -39,12 +41,17 @@ def make_lm(dtype=torch.float32, attn="eager"):
     return build_causal_lm("llama-tiny", vocab_size=VOCAB, max_positions=1024, seed=0, attn_implementation=attn).to(dtype)
 
 
-def make_critic(lm, share_backbone=False):
-    critic = ValueModel.from_actor(lm, share_backbone=share_backbone)
+def make_critic(lm):
+    critic = ValueModel.from_actor(lm)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         torch.nn.init.normal_(critic.value_head.weight, std=0.3)  # values of order 1, not the zero init
     return critic
+
+
+def make_policy_value(lm):
+    """What trains with ``model.share_critic_backbone``: policy and critic on ``lm``'s one trunk, in one forward."""
+    return PolicyValueLM(lm, SamplingSpec(1.0, 1.0), head_init="normal", seed=3)
 
 
 def multi_compaction_batch(n_rollouts=4, n_compactions=3, seed=0, seg_len=(40, 120)):
@@ -179,14 +186,15 @@ def test_split_microbatches_keeps_pairs_and_balances():
 def test_per_token_outputs_equal_per_segment_forward(collected, attn, source):
     td = collected[1] if source == "collected" else multi_compaction_batch(n_rollouts=3, seed=1)
     lm = make_lm(attn=attn)
-    actor_net, critic = CausalLMLogProbs(lm), make_critic(lm)
-    shared_critic = make_critic(lm, share_backbone=True)
+    actor_net, critic, policy_value = CausalLMLogProbs(lm), make_critic(lm), make_policy_value(lm)
     with torch.no_grad():
         lp, ent = actor_net(td["tokens"], td["attention_mask"])
-        v, v_sh = critic(td["tokens"], td["attention_mask"]), shared_critic(td["tokens"], td["attention_mask"])
-        a = PrefixSharedForward(actor_net, ["log_prob", "entropy"], max_chunk_tokens=2000)(td.select(*KEYS, "rollout_id", "segment_index").clone())
+        v = critic(td["tokens"], td["attention_mask"])
+        pv = dict(zip(POLICY_VALUE, policy_value(td["tokens"], td["attention_mask"])))
+        a = PrefixSharedForward(actor_net, ["log_prob", "entropy"],
+                                max_chunk_tokens=2000)(td.select(*KEYS, "rollout_id", "segment_index").clone())
         c = PrefixSharedForward(critic, ["state_value"])(td.select(*KEYS, "rollout_id", "segment_index").clone())
-        c_sh = PrefixSharedForward(shared_critic, ["state_value"])(td.select(*KEYS, "rollout_id", "segment_index").clone())
+        a_pv = PrefixSharedForward(policy_value, POLICY_VALUE)(td.select(*KEYS, "rollout_id", "segment_index").clone())
     # fp32 (the models compute log-probs and values in fp32): a forward over a shorter padded length rounds
     # differently in the last bits (attention softmax / matmul reductions over another length): entropies
     # (~4.7) and values (~10) differ by a few ulp, i.e. <= 1e-6 relative. The per-segment learner itself moves
@@ -196,7 +204,8 @@ def test_per_token_outputs_equal_per_segment_forward(collected, attn, source):
     torch.testing.assert_close(a["log_prob"], lp, **tol)
     torch.testing.assert_close(a["entropy"], ent, **tol)
     torch.testing.assert_close(c["state_value"], v, **tol)
-    torch.testing.assert_close(c_sh["state_value"], v_sh, **tol)
+    for key in POLICY_VALUE:  # a shared trunk's one forward
+        torch.testing.assert_close(a_pv[key], pv[key], **tol, msg=key)
     pad = ~td["attention_mask"]
     assert (a["log_prob"][pad] == 0).all() and (c["state_value"][pad] == 0).all()
     with torch.no_grad():  # the naive forward with 32 more padding columns: same size of rounding difference
@@ -221,29 +230,38 @@ def run_step(loss, mbs, models, norm=None):
     return total, grads
 
 
-def _losses(lm, critic, shared, **kw):
-    actor_net = CausalLMLogProbs(lm)
-    if shared:
-        actor = PrefixSharedForward(actor_net, ["log_prob", "entropy"], **kw)
-        crit = PrefixSharedForward(critic, ["state_value"], **kw)
+def _losses(actor_net, critic, prefix_shared, **kw):
+    """The loss through the prefix-shared learner (``prefix_shared``) or one plain forward per row. ``critic is
+    actor_net``: a shared trunk's :class:`PolicyValueLM`, whose one forward writes log-probs, entropies and values."""
+    def wrap(net, outs):
+        return PrefixSharedForward(net, outs, **kw) if prefix_shared else TensorDictModule(net, KEYS, outs)
+
+    if critic is actor_net:
+        actor = crit = wrap(actor_net, POLICY_VALUE)
     else:
-        actor = TensorDictModule(actor_net, KEYS, ["log_prob", "entropy"])
-        crit = TensorDictModule(critic, KEYS, ["state_value"])
+        actor, crit = wrap(actor_net, ["log_prob", "entropy"]), wrap(critic, ["state_value"])
     return CompactionPPOLoss(actor, crit, entropy_coeff=0.01, kl_coeff=0.05, clip_value=0.5)
 
 
-@pytest.mark.parametrize("share_backbone", [False, True])
+@pytest.mark.parametrize("trunk", ["separate", "shared"])
 @pytest.mark.parametrize("source", ["collected", "synthetic"])
-def test_loss_and_gradients_equal_naive_learner(collected, share_backbone, source):
+def test_loss_and_gradients_equal_naive_learner(collected, trunk, source):
+    """A separate critic (its own copy of the backbone) and a shared trunk (``PolicyValueLM``: what trains with
+    ``model.share_critic_backbone``): the prefix-shared learner's loss and gradients in 1, 2 or 3 micro-batches equal
+    one plain forward per row's, with and without gradient checkpointing."""
     lm = make_lm()
-    critic = make_critic(lm, share_backbone)
+    if trunk == "shared":
+        actor_net = critic = make_policy_value(lm)
+        values, models = (lambda t, m: actor_net(t, m)[2]), {"policy_value": actor_net}
+    else:
+        actor_net, critic = CausalLMLogProbs(lm), make_critic(lm)
+        values, models = critic, {"actor": lm, "critic": critic}
     td = collected[1] if source == "collected" else multi_compaction_batch(n_rollouts=4, seed=3)
-    td = train_batch(td, lm, critic)
-    naive = _losses(lm, critic, shared=False)
-    shared = _losses(lm, critic, shared=True, max_chunk_tokens=3000)
-    models = {"actor": lm, "critic": critic}
+    td = train_batch(td, lm, values)
+    naive = _losses(actor_net, critic, prefix_shared=False)
+    shared = _losses(actor_net, critic, prefix_shared=True, max_chunk_tokens=3000)
     ref_loss, ref_grads = run_step(naive, split_rows(td, 2), models)
-    assert len(ref_grads) > 10 and any(k.startswith("critic.value_head") for k in ref_grads)
+    assert len(ref_grads) > 10 and any(".value_head" in k for k in ref_grads)
     for n in (1, 3):
         loss, grads = run_step(shared, split_microbatches(td, n), models)
         assert abs(loss - ref_loss) <= 1e-5
@@ -251,9 +269,9 @@ def test_loss_and_gradients_equal_naive_learner(collected, share_backbone, sourc
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=0, msg=name)
     # gradient checkpointing changes memory, not the result
-    enable_gradient_checkpointing(lm)
-    enable_gradient_checkpointing(critic)
-    lm.train(), critic.train()
+    for m in models.values():
+        enable_gradient_checkpointing(m)
+        m.train()
     loss, grads = run_step(shared, split_microbatches(td, 2), models)
     assert abs(loss - ref_loss) <= 1e-5
     for name, g in grads.items():
@@ -301,7 +319,7 @@ def test_gradients_equal_naive_learner_on_two_gloo_ranks_with_ddp():
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     lm, critic, td = _dist_setup()
-    _, ref = run_step(_losses(lm, critic, shared=False), split_rows(td, 2), {"actor": lm, "critic": critic})
+    _, ref = run_step(_losses(CausalLMLogProbs(lm), critic, prefix_shared=False), split_rows(td, 2), {"actor": lm, "critic": critic})
     results = spawn_ranks(_worker, WORLD)
     assert results[0]["calls"] != results[1]["calls"]  # the ranks really needed different numbers of forwards
     for res in results:

@@ -1,4 +1,4 @@
-"""The LM study's groundwork (issue 13, docs/lm_study.md): a task without the early-submit shortcut, proved with
+"""The LM study's groundwork (docs/lm_study.md): a task without the early-submit shortcut, proved with
 a summary-blind policy; the ``env.early_submit`` key; ``scripts/lm_study.py --quick`` end to end (report
 structure, audits, resume)."""
 import json
@@ -166,7 +166,8 @@ def test_early_submit_config_key():
         load_config(None, ["env.early_submit=refuse"])
     cfg = load_config(None, ["env.early_submit=fail"])
     assert build_suite(cfg).early_submit == "fail"
-    assert build_suite(cfg, CurriculumStage(length=2)).make_env(build_suite(cfg, CurriculumStage(length=2)).tasks("dev")[0]).early_submit == "fail"
+    short = build_suite(cfg, CurriculumStage(length=2))
+    assert short.make_env(short.tasks("dev")[0]).early_submit == "fail"
     cfg = load_config(None, ["env.name=sequential_records", "env.early_submit=fail"])
     assert build_suite(cfg).make_env(build_suite(cfg).tasks("dev")[0]).early_submit == "fail"
 
@@ -228,7 +229,8 @@ def test_lm_study_quick_report_and_resume(tmp_path):
         fe = s["final_eval"]  # scripts/evaluate.py on the final checkpoint: 8 episodes in --quick
         assert fe["episodes"] == task["final_eval_episodes"] == 8 and fe["iteration"] == 2 and 0 <= fe["success"] <= 1
         assert (out / s["run_dir"] / "eval_dev_8.json").is_file()
-        # the sweep's row (scripts/sweep.py runs the study): kernel default (the machine's own), the capability the training process ran with
+        # the sweep's row (scripts/sweep.py runs the study): kernel default (the machine's own), the capability the training process ran
+        # with
         assert s["kernel"] == "default" and s["aten_cpu_capability"] is None and s["cpu_capability"]
         assert s["iterations_to_threshold"] == next((it for it, v in s["curve"] if v >= 0.9), None)
         assert s["final_eval_success"] == fe["success"] and isinstance(s["diagnostics"], dict)
@@ -255,12 +257,14 @@ def test_lm_study_quick_report_and_resume(tmp_path):
         assert b["final_eval"] == a["final_eval"]  # reused, not re-sampled
 
     # --report-only: nothing trains; the finished seed is reported (audit reused), a seed never run is NOT RUN
-    only = subprocess.run([sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "--seeds", "7", "8", "--out", str(out), "--report-only"],
+    only = subprocess.run([sys.executable, "scripts/lm_study.py", "--quick", "--arms", "joint", "--seeds", "7", "8", "--out", str(out),
+                           "--report-only"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert only.returncode == 1 and "not run: joint seed 8" in only.stdout and "start " not in only.stdout, only.stdout[-2000:]
     report3 = json.loads((out / "report.json").read_text())["arms"]["joint"]
     assert report3["seeds"]["7"]["curve"] == report["arms"]["joint"]["seeds"]["7"]["curve"] and report3["seeds"]["7"]["audit"] == "PASS"
-    assert report3["seeds"]["8"]["audit"] == "NOT RUN" and report3["seeds"]["8"]["curve"] == [] and report3["seeds"]["8"]["final_dev_success"] is None
+    assert (report3["seeds"]["8"]["audit"] == "NOT RUN" and report3["seeds"]["8"]["curve"] == []
+            and report3["seeds"]["8"]["final_dev_success"] is None)
     assert report3["summary"]["final_dev_success_mean"] == report3["seeds"]["7"]["final_dev_success"]
     assert not (out / "runs" / "joint_seed8").exists()
 
@@ -300,27 +304,28 @@ def test_study96_arms_differ_only_in_what_they_test_and_share_the_budget():
 def test_gate_is_computed_from_the_final_evaluations():
     """The preregistered gate: joint mean >= 0.95, every joint seed >= 0.90, joint - frozen >= 0.30, every audit PASS;
     a seed without a final evaluation fails it."""
-    import crl.experiments.lm_study as mod
+    from crl.experiments import gates
 
     def arms(joint, frozen, audit="PASS"):
         seed = lambda v: {"final_eval": None if v is None else {"success": v}, "audit": audit}  # noqa: E731
-        return {"joint": {"seeds": {str(i): seed(v) for i, v in enumerate(joint)}}, "frozen": {"seeds": {str(i): seed(v) for i, v in enumerate(frozen)}}}
+        return {"joint": {"seeds": {str(i): seed(v) for i, v in enumerate(joint)}},
+                "frozen": {"seeds": {str(i): seed(v) for i, v in enumerate(frozen)}}}
 
-    assert mod.Study.gate(arms([0.96, 0.95, 0.97], [0.3, 0.25, 0.28]))["verdict"] == "PASS"
-    g = mod.Study.gate(arms([0.99, 0.99, 0.89], [0.3, 0.25, 0.28]))
+    assert gates.gate(arms([0.96, 0.95, 0.97], [0.3, 0.25, 0.28]))["verdict"] == "PASS"
+    g = gates.gate(arms([0.99, 0.99, 0.89], [0.3, 0.25, 0.28]))
     assert g["verdict"] == "FAIL" and not g["checks"]["joint_min"]["pass"] and g["checks"]["joint_mean"]["pass"]
-    assert not mod.Study.gate(arms([0.96, 0.95, 0.94], [0.3, 0.25, 0.28]))["checks"]["joint_mean"]["pass"]  # mean 0.9500 - eps
-    assert not mod.Study.gate(arms([0.96, 0.96, 0.96], [0.7, 0.7, 0.7]))["checks"]["joint_minus_frozen"]["pass"]
-    assert mod.Study.gate(arms([0.96, 0.96, 0.96], [0.3, 0.3, 0.3], audit="FAIL"))["verdict"] == "FAIL"
-    assert mod.Study.gate(arms([0.96, None, 0.96], [0.3, 0.3, 0.3]))["verdict"] == "FAIL"
-    assert mod.Study.gate({"joint": {"seeds": {}}}) is None  # no frozen arm: no gate
+    assert not gates.gate(arms([0.96, 0.95, 0.94], [0.3, 0.25, 0.28]))["checks"]["joint_mean"]["pass"]  # mean 0.9500 - eps
+    assert not gates.gate(arms([0.96, 0.96, 0.96], [0.7, 0.7, 0.7]))["checks"]["joint_minus_frozen"]["pass"]
+    assert gates.gate(arms([0.96, 0.96, 0.96], [0.3, 0.3, 0.3], audit="FAIL"))["verdict"] == "FAIL"
+    assert gates.gate(arms([0.96, None, 0.96], [0.3, 0.3, 0.3]))["verdict"] == "FAIL"
+    assert gates.gate({"joint": {"seeds": {}}}) is None  # no frozen arm: no gate
     # the code of the judged runs: every commit, dirty if any run was, unknown for a run without code.json
     judged = arms([0.96, 0.96], [0.3, 0.3])
     for (arm, seed), code in zip([("joint", "0"), ("joint", "1"), ("frozen", "0")],
                                  [{"commit": "a", "dirty": False}, {"commit": ["b", "a"], "dirty": True}, {"commit": "a", "dirty": False}]):
         judged[arm]["seeds"][seed]["code"] = code
-    assert mod.Study.gate(judged)["code"] == {"commits": ["a", "b", "unknown"], "dirty": True}
-    assert mod.Study.gate(arms([0.96], [0.3]))["code"] == {"commits": ["unknown"], "dirty": "unknown"}
+    assert gates.gate(judged)["code"] == {"commits": ["a", "b", "unknown"], "dirty": True}
+    assert gates.gate(arms([0.96], [0.3]))["code"] == {"commits": ["unknown"], "dirty": "unknown"}
 
 
 def test_the_study_flattens_configs_with_the_run_directorys_flatten():
@@ -361,16 +366,17 @@ def test_lm_study_quick_covers_the_group_estimator_and_the_test_split(tmp_path):
 
 
 def test_the_pretrained_gate_is_judged_seed_by_seed():
-    """PRETRAINED_GATE (issue 39's preregistration): joint >= frozen + 0.15 and joint's last dev >= its iteration-0 dev
+    """PRETRAINED_GATE (the pretrained study's preregistration): joint >= frozen + 0.15 and joint's last dev >= its iteration-0 dev
     + 0.15 on *every* seed; one seed short of either, a missing evaluation or a failed audit is a FAIL."""
-    import crl.experiments.lm_study as mod
+    from crl.experiments import gates
 
     def arms(joint_final, frozen_final, start, last, audit="PASS"):
-        seed = lambda f, i0, l: {"final_eval": None if f is None else {"success": f}, "iter0_dev_success": i0, "final_dev_success": l, "audit": audit}  # noqa: E731
+        seed = lambda f, i0, l: {"final_eval": None if f is None else {"success": f}, "iter0_dev_success": i0, "final_dev_success": l,
+                                 "audit": audit}  # noqa: E731
         return {"joint": {"seeds": {str(k): seed(j, s, l) for k, (j, s, l) in enumerate(zip(joint_final, start, last))}},
                 "frozen": {"seeds": {str(k): seed(f, 0.1, 0.1) for k, f in enumerate(frozen_final)}}}
 
-    gate = mod.Study.pretrained_gate
+    gate = gates.pretrained_gate
     assert gate(arms([0.6, 0.5], [0.3, 0.3], [0.2, 0.3], [0.6, 0.5]))["verdict"] == "PASS"
     # the mean gap is 0.2 but one seed's is 0.1: the rule is per seed
     out = gate(arms([0.7, 0.4], [0.3, 0.3], [0.2, 0.2], [0.7, 0.4]))
@@ -382,7 +388,7 @@ def test_the_pretrained_gate_is_judged_seed_by_seed():
     assert gate(arms([0.6, 0.6], [0.3, 0.3], [0.2, 0.2], [0.6, 0.6], audit="FAIL"))["verdict"] == "FAIL"
 
 
-# ------------------------------------------------------------------------------------------------ the keep study (issue 47)
+# ------------------------------------------------------------------------------------------------ the keep study
 KEEP_QUICK = ROOT / "tests" / "data" / "lm_keep_quick"
 
 
@@ -399,7 +405,8 @@ def keep_run(successes=42, holds=84, not_holding_successes=12, episodes=120, jud
 def keep_arms(joint=None, frozen=None, other=None, seeds=("1", "2")) -> dict:
     """Two seeds; seed "1" always at the defaults, seed "2" as given (each arm: keep_run's keywords)."""
     out = {}
-    for arm, kw, base in (("joint", joint, {}), ("frozen", frozen, {"holds": 54, "successes": 20}), ("no_cross_trajectory", other, {"holds": 40})):
+    for arm, kw, base in (("joint", joint, {}), ("frozen", frozen, {"holds": 54, "successes": 20}),
+                          ("no_cross_trajectory", other, {"holds": 40})):
         out[arm] = {"seeds": {k: keep_run(**{**base, **((kw or {}) if k == "2" else {})}) for k in seeds}}
     return out
 
@@ -411,7 +418,7 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     evaluation on dev fails it naming what is missing; the secondary comparison is computed, never judged."""
     from fractions import Fraction
 
-    from crl.experiments.lm_study import KEEP_GATE, keep_gate
+    from crl.experiments.keep_rule import KEEP_GATE, keep_gate
 
     shortcut = {"name": "first_3_records", "price_exact": "24/120", "split": "test"}
     judge = lambda arms: keep_gate(arms, chance=Fraction(1, 4), shortcut=shortcut, iterations={a: 2 for a in arms})  # noqa: E731
@@ -421,11 +428,13 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     assert g["verdict"] == "PASS", g["checks"]
     c = g["checks"]
     assert c["joint_holds_minus_frozen"]["exact"] == "1/4" and c["joint_holds_minus_frozen"]["threshold_exact"] == "1/4"
-    assert c["joint_success_over_best_shortcut"]["exact"] == "3/20" and c["joint_success_over_best_shortcut"]["shortcut"] == "first_3_records"
+    assert (c["joint_success_over_best_shortcut"]["exact"] == "3/20"
+            and c["joint_success_over_best_shortcut"]["shortcut"] == "first_3_records")
     assert c["joint_success_over_best_shortcut"]["per_seed"]["2"]["counts"] == "42/120 - 1/5"
     assert c["joint_success_not_holding_over_chance"]["threshold_exact"] == "7/20" and g["shortcut"] == shortcut
     assert set(c) == {*KEEP_GATE, "all_audits_pass", "every_run_complete"}
-    fails = lambda arms, check: (g := judge(arms))["verdict"] == "FAIL" and not g["checks"][check]["pass"] and g["checks"][check]["per_seed"]["1"]["pass"]  # noqa: E731
+    fails = (lambda arms, check: (g := judge(arms))["verdict"] == "FAIL" and not g["checks"][check]["pass"]
+             and g["checks"][check]["per_seed"]["1"]["pass"])  # noqa: E731
 
     # holds >= 1/2: 60/120 passes, 59/120 fails (frozen below it by 1/4 or more)
     assert judge(keep_arms(joint={"holds": 60}, frozen={"holds": 30}))["verdict"] == "PASS"
@@ -438,7 +447,8 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     assert judge(keep_arms(joint={"holds": 100, "not_holding_successes": 7}, frozen={"holds": 70}))["verdict"] == "PASS"
     assert fails(keep_arms(joint={"holds": 100, "not_holding_successes": 8}, frozen={"holds": 70}), "joint_success_not_holding_over_chance")
     every = judge(keep_arms(joint={"holds": 120, "not_holding_successes": 0}))  # every summary holds: no episode to judge
-    assert every["verdict"] == "PASS" and every["checks"]["joint_success_not_holding_over_chance"]["per_seed"]["2"]["note"].startswith("no episode")
+    assert (every["verdict"] == "PASS"
+            and every["checks"]["joint_success_not_holding_over_chance"]["per_seed"]["2"]["note"].startswith("no episode"))
 
     # every audit (the third arm's too), every dev evaluation, a summary block, the test split
     assert judge(keep_arms(other={"audit": "FAIL"}))["checks"]["all_audits_pass"]["pass"] is False
@@ -455,9 +465,11 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     assert keep_gate({"joint": {"seeds": {}}}, chance=Fraction(1, 4), shortcut=shortcut, iterations={}) is None
     stale = keep_arms()
     stale["joint"]["seeds"]["2"]["final_eval"]["iteration"] = 1  # a carried row evaluated before its last iteration
-    assert judge(stale)["checks"]["every_run_complete"]["missing"] == ["joint seed 2: its final evaluation is of iteration 1, not its last (2)"]
+    assert judge(stale)["checks"]["every_run_complete"]["missing"] == ["joint seed 2: its final evaluation is of iteration 1, not its last "
+                                                                       "(2)"]
     nothing_judged = judge(keep_arms(joint={"judged": 0, "holds": 0, "not_holding_successes": 0}))
-    assert nothing_judged["verdict"] == "FAIL" and nothing_judged["checks"]["joint_holds"]["per_seed"]["2"]["note"].startswith("no episode judged")
+    assert nothing_judged["verdict"] == "FAIL" and nothing_judged["checks"]["joint_holds"]["per_seed"]["2"]["note"].startswith("no episode "
+                                                                                                                               "judged")
 
     # secondary: joint - no_cross_trajectory per seed, a mean and a seeded bootstrap interval; an ordering only where it excludes 0
     sec = judge(keep_arms(other={"holds": 90}))["secondary"]
@@ -471,6 +483,25 @@ def test_the_keep_rule_compares_integer_counts_exactly_at_its_thresholds():
     only_two = keep_arms()
     del only_two["no_cross_trajectory"]
     assert "no no_cross_trajectory arm" in judge(only_two)["secondary"]["note"]
+
+
+def test_the_keep_rule_fails_a_final_evaluation_of_no_episode_naming_it():
+    """A final evaluation that played no episode has no success rate (successes / 0): the rule fails, naming the run
+    and what to do, instead of raising TypeError on the missing fraction; the secondary comparison skips the seed."""
+    from fractions import Fraction
+
+    from crl.experiments.keep_rule import keep_gate
+
+    arms = keep_arms()
+    arms["joint"]["seeds"]["2"]["final_eval"].update(episodes=0, successes=0, success=None,
+                                                     summary={"episodes_judged": 0, "holds": 0, "holds_frac": None, "success_holds": 0,
+                                                              "success_not_holds": 0})
+    g = keep_gate(arms, chance=Fraction(1, 4), shortcut={"name": "first_3_records", "price_exact": "24/120", "split": "test"},
+                  iterations={a: 2 for a in arms})
+    assert g["verdict"] == "FAIL" and not g["checks"]["every_run_complete"]["pass"]
+    assert g["checks"]["every_run_complete"]["missing"] == ["joint seed 2: its final evaluation played no episode (evaluate it again "
+                                                            "with --episodes > 0)"]
+    assert g["secondary"]["success"]["per_seed"]["2"] == {"value": None, "exact": None}
 
 
 def test_a_study_report_comes_from_a_clean_tree(tmp_path, monkeypatch):
@@ -496,6 +527,56 @@ def test_a_study_report_comes_from_a_clean_tree(tmp_path, monkeypatch):
         lm_study.Study(["joint"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", allow_dirty=True).main()
 
 
+def test_the_clean_tree_check_leaves_out_only_what_the_study_writes(tmp_path, monkeypatch):
+    """On a real git checkout: the study's run, log and warm-start directories, its report and each run's export
+    directory never make the tree dirty, wherever --out and --export are (the checkout's root included); anything else
+    does. An --export of the root used to leave the whole checkout out of the check."""
+    import crl.experiments.lm_study as lm_study
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    # noqa: E731
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)
+    git("init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "code")
+    monkeypatch.setattr(lm_study, "ROOT", repo)
+    study = lambda **kw: lm_study.Study(["joint", "frozen"], [1], kw.pop("out", repo), config_dir=KEEP_QUICK, gate="keep",  # noqa: E731
+                                        final_split="test", **kw)
+    for name in ("runs/joint_seed1/metrics.jsonl", "logs/joint_seed1.train.log", "warm_start_cache/k.pt", "report.json",
+                 "joint_seed1/config.yaml", "frozen_seed1/audit.json"):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text("output\n")
+    assert study(export=repo).check_clean_tree()["clean"] is True  # --out . --export .: its outputs alone
+    (repo / "code.py").write_text("x = 2\n")  # the code changed: refused, wherever the outputs go
+    for kw in ({"export": repo}, {"export": repo / "kept", "out": repo / "out"}, {}):
+        with pytest.raises(SystemExit, match="uncommitted changes"):
+            study(**kw).check_clean_tree()
+    git("commit", "-qam", "code 2")
+    (repo / "joint_seed2").mkdir()  # not a run of this study (seed 2): its files are not the study's outputs
+    (repo / "joint_seed2" / "config.yaml").write_text("other\n")
+    with pytest.raises(SystemExit, match="uncommitted changes"):
+        study(export=repo).check_clean_tree()
+
+
+def test_the_keep_study_refuses_carry_without_export(tmp_path):
+    """--gate keep carries a row only against the committed run files: the Study itself refuses a carry without an
+    export (not only the script's argument parsing), and the script says it as a usage error."""
+    import crl.experiments.lm_study as lm_study
+
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    with pytest.raises(ValueError, match="pass --export DIR"):
+        lm_study.Study(["joint", "frozen"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", carry=report)
+    lm_study.Study(["joint", "frozen"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="keep", final_split="test", carry=report,
+                   export=tmp_path / "kept")
+    proc = subprocess.run([sys.executable, "scripts/lm_study.py", "--arms", "joint", "frozen", "--seeds", "1", "--out", str(tmp_path / "o"),
+                           "--config-dir", str(KEEP_QUICK), "--gate", "keep", "--carry", str(report)], cwd=ROOT, capture_output=True,
+                           text=True)
+    assert proc.returncode == 2 and "pass --export DIR" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp_path):
     """``--quick --gate keep`` on the tests' tiny records task (tests/data/lm_keep_quick): the three arms train, audit
@@ -504,12 +585,13 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
     computed from the study's own config (its verdict on a quick run means nothing), the secondary comparison, the
     files' hashes, the commits that trained each run and the tree it came from; the PNG is written; a rerun trains
     nothing and exports the same files."""
-    from crl.experiments.lm_study import KEEP_GATE
+    from crl.experiments.keep_rule import KEEP_GATE
     from crl.experiments.records_shortcuts import prices_table
     from crl.io import sha256_file
 
     out, export = tmp_path / "study", tmp_path / "export"
-    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--config-dir", str(KEEP_QUICK), "--arms", "joint", "frozen", "no_cross_trajectory",
+    cmd = [sys.executable, "scripts/lm_study.py", "--quick", "--config-dir", str(KEEP_QUICK), "--arms", "joint", "frozen",
+           "no_cross_trajectory",
            "--seeds", "7", "--gate", "keep", "--final-split", "test", "--export", str(export), "--parallel", "1", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -519,9 +601,11 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
     report = json.loads((out / "report.json").read_text())
     g = report["gate"]
     assert report["gate_name"] == "keep" and g["verdict"] in ("PASS", "FAIL")
-    assert set(g["checks"]) == {*KEEP_GATE, "all_audits_pass", "every_run_complete"} and g["checks"]["every_run_complete"]["pass"], g["checks"]
+    assert set(g["checks"]) == {*KEEP_GATE, "all_audits_pass",
+                                "every_run_complete"} and g["checks"]["every_run_complete"]["pass"], g["checks"]
     test_prices = prices_table(load_config(KEEP_QUICK / "joint.yaml"), splits=("test",))["splits"]["test"]
-    assert g["shortcut"]["name"] == test_prices["best_shortcut"] and g["shortcut"]["price_exact"] == test_prices["best_shortcut_price_exact"]
+    assert (g["shortcut"]["name"] == test_prices["best_shortcut"]
+            and g["shortcut"]["price_exact"] == test_prices["best_shortcut_price_exact"])
     assert g["chance"] == {"value": 0.25, "exact": "1/4"} and report["task"]["chance"] == 0.25 and report["task"]["n_values"] == 4
     for quantity in ("success", "holds_frac"):
         assert isinstance(g["secondary"][quantity]["interval_excludes_0"], bool) and g["secondary"][quantity]["seeds"] == 1
@@ -531,9 +615,11 @@ def test_the_keep_study_quick_end_to_end_with_its_rule_export_and_report_png(tmp
         assert s["audit"] == "PASS" and s["final_eval"]["split"] == "test" and "episodes_judged" in s["final_eval"]["summary"], arm
         assert [it for it, _ in s["curve"]] == [0, 1, 2] and report["trained_by"][f"{arm}_seed7"]["commit"] == HEAD
         kept = export / f"{arm}_seed7"
-        assert sorted(p.name for p in kept.iterdir()) == sorted(["config.yaml", "metrics.jsonl", "audit.json", "audit.md", "code.json", "curves.png",
+        assert sorted(p.name for p in kept.iterdir()) == sorted(["config.yaml", "metrics.jsonl", "audit.json", "audit.md", "code.json",
+                                                                 "curves.png",
                                                                  "eval_test_8.json", "timing.json", "summaries.jsonl"]), arm
-        assert s["files_sha256"] == {f: sha256_file(kept / f) for f in ("config.yaml", "audit.json", "eval_test_8.json")}  # what --carry checks
+        # what --carry checks
+        assert s["files_sha256"] == {f: sha256_file(kept / f) for f in ("config.yaml", "audit.json", "eval_test_8.json")}
         decoded = [json.loads(line) for line in (kept / "summaries.jsonl").read_text().splitlines()]
         assert [d["iteration"] for d in decoded] == [0, 1] and all(d["task"] == "sequential_records" and "rows" in d for d in decoded)
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

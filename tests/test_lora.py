@@ -81,7 +81,8 @@ def test_merged_differences_accept_the_same_base_within_rounding_and_name_any_ot
     other_order = dict(merged_state_dict(lm))
     for name, module in base.named_modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
-            w, a, b = (t.detach().double() for t in (module.get_base_layer().weight, module.lora_A["default"].weight, module.lora_B["default"].weight))
+            w, a, b = (t.detach().double()
+                       for t in (module.get_base_layer().weight, module.lora_A["default"].weight, module.lora_B["default"].weight))
             other_order[f"{name}.weight"] = (w + module.scaling["default"] * (b @ a)).float()
     assert any(not torch.equal(other_order[k], v) for k, v in merged_state_dict(lm).items()), "the same bits: nothing was checked"
     save_weights(other_order, tmp_path / "other_order.safetensors")
@@ -195,7 +196,8 @@ def learner_models(*overrides):
     cfg = load_config(ROOT / "configs" / "default.yaml", list(overrides))
     codec = build_tokenizer(cfg)
     accelerator, ds_config = make_accelerator(cfg)
-    return LearnerModels(cfg, build_policy_lm(cfg, codec, ds_config), sampling_spec(cfg, codec), accelerator, ds_config, torch.device("cpu"))
+    return LearnerModels(cfg, build_policy_lm(cfg, codec, ds_config), sampling_spec(cfg, codec), accelerator, ds_config,
+                         torch.device("cpu"))
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -254,7 +256,8 @@ def test_unknown_target_modules_name_the_model_layers():
 # ------------------------------------------------------------------------------------------ through scripts/train.py
 def _metrics(run_dir):
     keep = ("train/reward", "policy/approx_kl", "loss_objective", "loss_critic", "grad_norm/actor", "grad_norm/critic")
-    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"} for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"}
+            for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -382,7 +385,8 @@ def test_a_lora_resume_stops_when_model_preset_is_not_the_base_it_was_trained_on
     stopped = launch(1, run, *args, "train.iterations=3", check=False)
     last = sorted((run / "checkpoints").glob("iter_*"))[-1]
     assert stopped.returncode == 1 and stopped.stderr.strip().splitlines()[-1].startswith(
-        f"error: model.preset={preset} is not the preset {last} was trained from: model.safetensors changed (SHA-256 "), stopped.stderr[-2000:]
+        f"error: model.preset={preset} is not the preset {last} was trained from: model.safetensors changed (SHA-256 "
+    ), stopped.stderr[-2000:]
 
     meta = json.loads((last / "meta.json").read_text())
     del meta["preset"]  # as a checkpoint written before the fingerprint was recorded
@@ -391,7 +395,8 @@ def test_a_lora_resume_stops_when_model_preset_is_not_the_base_it_was_trained_on
     line = stopped.stderr.strip().splitlines()[-1]
     assert stopped.returncode == 1 and line.startswith(
         f"error: model.preset={preset} is not the base model {last} was trained on: with the checkpoint's adapter, its merged weights "
-        "differ from policy/model.safetensors in 1 tensor(s), e.g. model.layers.0.self_attn.q_proj.weight: differs by up to 0.001"), stopped.stderr[-2000:]
+        "differ from policy/model.safetensors in 1 tensor(s), e.g. model.layers.0.self_attn.q_proj.weight: differs by up to 0.001"
+    ), stopped.stderr[-2000:]
     assert f"model.preset={last / 'policy'}" in line
     assert [r["step"] for r in _metrics(run) if r["step"] > 0] == [1, 2]  # the stopped resumes trained nothing
 
@@ -420,7 +425,8 @@ def test_lora_trains_under_zero2_on_two_ranks_resumes_and_passes_the_audit(tmp_p
         zero = torch.load(last / "optimizer" / f"actor_rank{rank}.pt", weights_only=False)["zero"]
         flat = zero["single_partition_of_fp32_groups"]
         moments = zero["base_optimizer_state"]["state"]
-        assert len(moments) == len(flat) and all(moments[i][m].numel() >= t.numel() for i, t in enumerate(flat) for m in ("exp_avg", "exp_avg_sq"))
+        assert len(moments) == len(flat) and all(moments[i][m].numel() >= t.numel() for i, t in enumerate(flat)
+                                                 for m in ("exp_avg", "exp_avg_sq"))
         held += sum(t.numel() for t in flat)
     assert held == sum(t.numel() for t in adapter.values()), (held, sum(t.numel() for t in adapter.values()))
 

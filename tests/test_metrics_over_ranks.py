@@ -1,4 +1,4 @@
-"""``policy/*`` and ``critic/*`` metrics pool every rank's micro-batches (they were rank 0's alone: issue 27, defect 7):
+"""``policy/*`` and ``critic/*`` metrics pool every rank's micro-batches (they were rank 0's alone):
 :func:`crl.training.accelerator.mean_over_ranks` on 2 gloo ranks against means computed by hand."""
 from __future__ import annotations
 

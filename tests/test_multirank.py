@@ -97,7 +97,8 @@ def test_deepspeed_resume_with_another_world_size_is_refused(tmp_path, before, a
     line = f"was written by {before} processes and this run has {after}"
     msg = [m for m in refused.stderr.splitlines() if line in m]
     assert msg and msg[0].startswith("error: checkpoint ") and f"relaunch with {before} processes" in msg[0], refused.stderr[-3000:]
-    assert "RunDirError" not in refused.stderr and "/crl/" not in refused.stderr  # crl's line, no traceback of ours (the launcher prints its own)
+    # crl's line, no traceback of ours (the launcher prints its own)
+    assert "RunDirError" not in refused.stderr and "/crl/" not in refused.stderr
     assert (run / "checkpoints" / "iter_000000" / "meta.json").read_text() == manifest
     assert not (run / "checkpoints" / "iter_000001").exists()
 

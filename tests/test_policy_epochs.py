@@ -1,5 +1,5 @@
 """``train.policy_epochs`` passes over a batch visit its rollouts in a new seeded order each epoch (the order was
-re-seeded inside the epoch loop, so every epoch repeated the first one's minibatches: issue 27, defect 7)."""
+re-seeded inside the epoch loop, so every epoch repeated the first one's minibatches)."""
 import json
 from pathlib import Path
 

@@ -283,7 +283,7 @@ def test_verify_ignores_user_prints_and_fake_markers(suite, sandbox):
 def test_a_forged_report_is_no_report_and_logs_nothing(suite, payload, caplog):
     """Code that reads the marker off its own harness can print anything after it: a line nested 100 000 deep (it
     raised RecursionError into the verifier's log), a non-dict, an oversized line are no report: score 0, one
-    reason, nothing logged (issue 28, item 6)."""
+    reason, nothing logged."""
     import re
 
     from crl.envs.python_tasks import verify

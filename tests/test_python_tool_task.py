@@ -1,4 +1,4 @@
-"""The Python tool task end to end (issue 21): TorchRL's ChatEnv + crl's CompactionTransform + the sandboxed
+"""The Python tool task end to end: TorchRL's ChatEnv + crl's CompactionTransform + the sandboxed
 PythonTool + the executable verifier, driven by a scripted policy through TorchRL's TransformersWrapper; then
 ``scripts/train.py --config configs/python_tool.yaml`` (config-built model, and SmolLM2 for one iteration) with an
 audit PASS. The scripted policy's text is forced through generate (tests/_torchrl_chat.py), so every id, tool
@@ -57,7 +57,8 @@ def episode(tok, model, task, script, *, timeout_s=2.0, max_steps=12, max_compac
     limits = SandboxLimits(timeout_s=timeout_s, max_output_bytes=max_output)
     tool = PythonTool(Sandbox(limits=limits, files=task.files), skip=is_final)
     reward = PythonTaskReward([task], Sandbox(limits=limits))
-    cfg = CompactionConfig(context_capacity=context, min_remaining=T_COMP, max_compactions=max_compactions, keep_recent=1, max_steps=max_steps)
+    cfg = CompactionConfig(context_capacity=context, min_remaining=T_COMP, max_compactions=max_compactions, keep_recent=1,
+                           max_steps=max_steps)
     env = TransformedEnv(ChatEnv(batch_size=(1,), input_mode="history", system_prompt="You write Python.", tokenizer=tok),
                          CompactionTransform(tok, cfg, MAX_NEW, tool, reward))
     wrapper = TransformersWrapper(model, tokenizer=tok, input_mode="history", generate=True, return_log_probs=True, prefer_tokens=True,
@@ -133,7 +134,7 @@ def test_the_tool_task_refuses_to_start_without_its_sandbox(tmp_path, monkeypatc
 
 def test_the_tool_task_checks_the_syscall_filter_in_every_mode(tmp_path, monkeypatch):
     """tools.sandbox: none runs the same seccomp filter: a missing pyseccomp/libseccomp stops the trainer build
-    under tools.sandbox with the fix, as in bwrap mode, instead of at the first tool call mid-run (issue 48)."""
+    under tools.sandbox with the fix, as in bwrap mode, instead of at the first tool call mid-run."""
     from crl.builders import check_tool_sandbox
     from crl.config import ConfigValidationError, load_config
     from crl.sandbox import seccomp_filter
@@ -151,7 +152,8 @@ def test_the_tool_task_checks_the_syscall_filter_in_every_mode(tmp_path, monkeyp
 def run_and_audit(cmd, run_dir, timeout=900):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(run_dir)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:] + audit.stderr[-2000:]
     return proc
 

@@ -79,5 +79,6 @@ def test_the_readmes_old_import_path_still_loads_the_networks_with_a_warning():
     assert any(issubclass(w.category, DeprecationWarning) and "crl.modules.networks" in str(w.message) for w in caught)
     assert (old.ValueModel, old.actor_module, old.critic_module) == (networks.ValueModel, networks.actor_module, networks.critic_module)
     assert "crl.modules.models" not in README
-    users = [p for p in (ROOT / "crl").rglob("*.py") if p != ROOT / "crl" / "modules" / "models.py" and "crl.modules.models" in p.read_text()]
+    users = [p for p in (ROOT / "crl").rglob("*.py") if p != ROOT / "crl" / "modules" / "models.py"
+             and "crl.modules.models" in p.read_text()]
     assert not users, users

@@ -139,6 +139,27 @@ def test_the_question_is_never_about_a_key_finalised_in_the_last_m_records():
     assert plain.tasks("dev") == ruled.tasks("dev")
 
 
+def test_a_question_rule_no_task_can_satisfy_is_refused_at_load():
+    """One key and no distractor: every record writes that key, so its final write is always the last record and
+    question_not_in_last >= 1 has no key to ask (building the tasks redrew forever). Refused when the config loads and
+    when the suite is built, naming the fix; a distractor or a second key makes it satisfiable (tasks are built)."""
+    from crl.config import ConfigValidationError
+
+    base = ["env.name=sequential_records", "env.n_records=4", "env.n_keys=1", "env.distractor_rate=0.0"]
+    with pytest.raises(ConfigValidationError, match=r"env.question_not_in_last: .*env.n_keys >= 2, env.distractor_rate > 0 or "
+                                                    r"env.question_not_in_last=0"):
+        load_config(ROOT / "configs" / "default.yaml", [*base, "env.question_not_in_last=1"])
+    with pytest.raises(ValueError, match="no task can be built"):
+        SequentialRecordsSuite(n_records=4, n_keys=1, distractor_rate=0.0, question_not_in_last=2)
+    load_config(ROOT / "configs" / "default.yaml", [*base, "env.question_not_in_last=0"])
+    for n_keys, rate in ((1, 0.5), (2, 0.0)):
+        suite = SequentialRecordsSuite(n_records=4, n_keys=n_keys, distractor_rate=rate, question_not_in_last=1,
+                                       split_sizes={"train": 8, "dev": 2, "test": 2})
+        assert all(suite.make_env(t).answer_position <= 3 for t in suite.tasks("train"))
+    with pytest.raises(ConfigValidationError, match=r"env.distractor_rate: must be in \[0, 1\)"):  # every record a distractor
+        load_config(ROOT / "configs" / "default.yaml", ["env.name=sequential_records", "env.distractor_rate=1.0"])
+
+
 def test_recency_shortcuts_are_worth_chance_on_a_task_where_recency_cannot_pass():
     """8 records, 4 keys, m = 3, a compaction forced after the last record with no tail: copying the last records (or
     the last values) is worth chance + at most 0.05 on every split; values without keys stay above it."""

@@ -128,7 +128,8 @@ def test_rank0_chooses_the_checkpoint_and_each_rank_verifies_only_its_own_files(
         lines = [results[scenario][0] for results in ranks]
         assert lines[0] == lines[1], (scenario, lines)  # the same line on every rank
         kind, msg = lines[0]
-        assert kind == "stopped" and "\n" not in msg and msg.startswith("rank 1 cannot resume from checkpoints/iter_000002, the checkpoint rank 0 chose (")
+        assert kind == "stopped" and "\n" not in msg and msg.startswith("rank 1 cannot resume from checkpoints/iter_000002, the checkpoint "
+                                                                        "rank 0 chose (")
         assert why in msg, msg
     lines = [results["no_config"][0] for results in ranks]
     assert lines[0] == lines[1] and lines[0][0] == "stopped" and "KeyError: 'config'" in lines[0][1], lines
@@ -258,7 +259,8 @@ def test_a_failure_while_another_rank_checks_the_choice_reaches_every_rank(tmp_p
         rank1.resume_checkpoint()
     why = "PermissionError: [Errno 13] Permission denied: 'optimizer/actor_rank1.pt'"
     assert world.gathered == [(why, str(tmp_path))]
-    assert str(err.value).startswith(f"rank 1 cannot resume from checkpoints/iter_000001, the checkpoint rank 0 chose ({tmp_path}): {why}; ")
+    assert (str(err.value).startswith(f"rank 1 cannot resume from checkpoints/iter_000001, the checkpoint rank 0 chose ({tmp_path}): "
+                                      f"{why}; "))
 
 
 def test_a_resume_stops_when_model_preset_changed_since_the_checkpoint(tmp_path, capsys):
@@ -276,7 +278,8 @@ def test_a_resume_stops_when_model_preset_changed_since_the_checkpoint(tmp_path,
     ckpt = tmp_path / "run" / "checkpoints" / "iter_000000"
 
     def checkpoints(*overrides):
-        return RunCheckpoints(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={tmp_path / 'run'}", f"model.preset={preset}", *overrides]), 0, 1)
+        return RunCheckpoints(load_config(ROOT / "configs" / "default.yaml",
+                                          [f"run_dir={tmp_path / 'run'}", f"model.preset={preset}", *overrides]), 0, 1)
 
     first = checkpoints()
     first.check_preset(None, None)  # a fresh run: hashed as it starts
@@ -287,9 +290,10 @@ def test_a_resume_stops_when_model_preset_changed_since_the_checkpoint(tmp_path,
     shutil.copytree(tmp_path / "reimported", preset)
     checkpoints().check_preset(ckpt, meta)  # the same bytes: resumes
     (preset / "model.safetensors").write_bytes(b"other weights")
-    with pytest.raises(RunDirError, match=rf"model.preset={re.escape(str(preset))} is not the preset {re.escape(str(ckpt))} was trained from: "
-                                          r"model.safetensors changed \(SHA-256 \w{12}\.\.\. then, \w{12}\.\.\. now\).*Restore the directory.*"
-                                          rf"model.preset={re.escape(str(ckpt / 'policy'))}"):
+    with pytest.raises(RunDirError,
+                       match=rf"model.preset={re.escape(str(preset))} is not the preset {re.escape(str(ckpt))} was trained from: "
+                                          r"model.safetensors changed \(SHA-256 \w{12}\.\.\. then, \w{12}\.\.\. now\).*Restore the "
+                                          r"directory.*" rf"model.preset={re.escape(str(ckpt / 'policy'))}"):
         checkpoints().check_preset(ckpt, meta)
     checkpoints().check_preset(ckpt, {"iteration": 0})  # an older crl's checkpoint: nothing recorded, nothing compared
     capsys.readouterr()

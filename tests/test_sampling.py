@@ -1,4 +1,4 @@
-"""crl.sampling.SamplingSpec: the one definition of the sampling distribution (issue 27 item 1, defect 1).
+"""crl.sampling.SamplingSpec: the one definition of the sampling distribution.
 
 The learner's log-probs must be the sampler's. Checked here against an independent computation — transformers'
 own processed scores at each sampled token, recorded from inside ``generate`` — on TorchRL's chat path, with a
@@ -140,7 +140,7 @@ def _tiny_lm(vocab=40):
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_the_learners_log_probs_are_the_specs_on_every_path(monkeypatch, top_p):
-    """Issue 40 item 6: CausalLMLogProbs forms its log-probs through SamplingSpec.log_probs, on the chunked top_p = 1
+    """CausalLMLogProbs forms its log-probs through SamplingSpec.log_probs, on the chunked top_p = 1
     path too, and suppression happens there only (the spec receives the model's raw logits). A spec whose
     distribution is changed (one token's logit raised) must change the learner's log-probs the same way."""
     from crl.modules.networks import CausalLMLogProbs
@@ -184,7 +184,7 @@ def test_a_suppressed_id_gets_the_excluded_log_prob_without_any_top_p_cut():
 @pytest.mark.parametrize("top_p", [0.8, 0.95])
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_nucleus_log_probs_equal_transformers_own_processors(top_p, temperature):
-    """Issue 40 item 6: crl's nucleus distribution (SamplingSpec.log_probs, and the learner's CausalLMLogProbs
+    """The nucleus distribution of crl (SamplingSpec.log_probs, and the learner's CausalLMLogProbs
     through it) against an independent computation, transformers' own logits processors as ``generate`` chains them
     (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper), at every position of a tiny model:
     the same tokens kept and the same log-probs; the learner reports a token outside the nucleus as
@@ -257,17 +257,17 @@ FIRST_UPDATE_KL_BOUND = {p: torch.finfo(torch.float32).eps + torch.finfo(dtype).
 @pytest.mark.parametrize("lora", [[], ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]], ids=["full", "lora_merged"])
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, precision, lora):
-    """Issue 27 defect 2: with bf16 mixed precision (``train.precision=bf16``; auto on a CUDA GPU) accelerate autocast
+    """With bf16 mixed precision (``train.precision=bf16``; auto on a CUDA GPU) accelerate autocast
     only the learner's forward while the sampler ran the same model in fp32, so the first PPO ratio was not 1 (here:
     approx_kl 8e-6 on the default task, the same run with sampling under autocast 1e-8). The trainer samples under
     the learner's autocast; the first update's approx_kl (one minibatch: every row at the weights that sampled it) is
     float noise and nothing is clipped, in fp32 and in bf16 (CPU autocast here, where bf16 runs without a GPU).
 
-    Issue 40 item 7: the bound follows from the precision (FIRST_UPDATE_KL_BOUND), so native bf16 kernels (AVX512_BF16)
+    The bound follows from the precision (FIRST_UPDATE_KL_BOUND), so native bf16 kernels (AVX512_BF16)
     pass as emulated ones do; the defence itself is checked exactly: every sampler forward runs under the learner's
     autocast. And the bound is shown to catch a wrong ratio (a 1 % temperature mismatch) on the same batch.
 
-    Issue 46: with LoRA the sampler decodes with the adapters merged into a copy of the adapted layers
+    With LoRA the sampler decodes with the adapters merged into a copy of the adapted layers
     (crl.modules.lora.MergedAdapters, bf16 weights under bf16) while the learner runs the unmerged adapters: the same
     function up to rounding, so the same bound holds."""
     from accelerate.state import AcceleratorState
@@ -287,7 +287,7 @@ def test_the_first_update_of_a_trainer_has_ratio_one_in_its_precision(tmp_path, 
             assert any(p.abs().max() > 0 for n, p in trainer.lm.named_parameters() if "lora_B" in n)
         assert trainer.accelerator.mixed_precision == ("bf16" if precision == "bf16" else "no")
         device, dtype = trainer.device.type, (torch.bfloat16 if precision == "bf16" else None)
-        sampled_in = set()  # the autocast of every forward the sampler makes: the learner's precision (issue 27 defect 2)
+        sampled_in = set()  # the autocast of every forward the sampler makes: the learner's precision
         hook = trainer.sampler.gen_lm.register_forward_pre_hook(
             lambda module, args: sampled_in.add(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None))
         try:

@@ -163,7 +163,7 @@ def test_host_home_is_hidden(bwrap):
 
 
 def test_only_what_the_interpreter_needs_is_visible(bwrap, tmp_path):
-    """A minimal view (issue 28): /usr and its links, a few /etc files, the interpreter's directories — nothing else.
+    """A minimal view: /usr and its links, a few /etc files, the interpreter's directories — nothing else.
     World-readable host files outside them (/var/tmp, /opt, the checkout's source, a run directory) and host unix
     sockets under /run or /var are absent; ``ro_paths`` adds a path back, read-only."""
     from crl.sandbox import ETC_FILES, SYSTEM_DIRS, _interpreter_dirs
@@ -274,7 +274,8 @@ def test_fork_bomb_is_contained(bwrap):
     limits = SandboxLimits(timeout_s=2, max_processes=16)
     # a bomb that survives its own fork failures: it runs into the wall-clock timeout
     t = time.monotonic()
-    r = Sandbox(limits=limits).run(_set_comm(marker) + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    r = Sandbox(limits=limits).run(_set_comm(marker) + "import os\nwhile True:\n    try:\n        os.fork()\n"
+                                   "    except OSError:\n        pass\n")
     assert r.timed_out and r.returncode is None, r
     assert time.monotonic() - t < 2 + 3
     assert r.as_observation().endswith("[timed out after 2.0 s]")
@@ -370,7 +371,8 @@ def test_non_root_caller(bwrap, tmp_path):
             sys.path.insert(0, {str(work)!r})
             from crl.sandbox import Sandbox, SandboxLimits
             sb = Sandbox(python=sys.executable, limits=SandboxLimits(max_processes=8), files={{"a.txt": "A"}})
-            fork = sb.run("import os, time\\nn = 0\\ntry:\\n    while n < 100:\\n        if os.fork() == 0:\\n            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    pass\\nprint(n)")
+            fork = sb.run("import os, time\\nn = 0\\ntry:\\n    while n < 100:\\n        if os.fork() == 0:\\n"
+                          "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nexcept OSError:\\n    pass\\nprint(n)")
             write = sb.run("import os\\nprint(sorted(os.listdir('.')), os.getuid())\\nopen({str(target)!r}, 'w')")
             print(json.dumps([fork.stdout, write.stdout, write.stderr]))
         """)
@@ -564,16 +566,18 @@ print(json.dumps(res))
 _X86_64_CALLS = [("add_key", 248, (b"user", b"crl-probe", b"data", 4, -2)), ("keyctl", 250, (0, -2)), ("io_uring_setup", 425, (1, 0)),
                  ("bpf", 321, (0, 0, 0)), ("perf_event_open", 298, (0, 0, -1, -1, 0)), ("userfaultfd", 323, (0,)),
                  ("ptrace", 101, (0, 0, 0, 0)), ("unshare", 272, (0x10000000,)), ("mount", 165, (0, 0, 0, 0, 0)),
-                 ("process_vm_writev", 311, (0, 0, 0, 0, 0, 0)), ("pidfd_getfd", 438, (-1, 0, 0)), ("chroot", 161, (b"/",)),
+                 ("process_vm_readv", 310, (0, 0, 0, 0, 0, 0)), ("process_vm_writev", 311, (0, 0, 0, 0, 0, 0)),
+                 ("pidfd_getfd", 438, (-1, 0, 0)), ("chroot", 161, (b"/",)),
                  ("personality", 135, (0x0040000,)), ("getpid", 39, ()), ("personality query", 135, (0xFFFFFFFF,))]
 
 
 @pytest.mark.parametrize("mode", ["bwrap", "none"])
 def test_dangerous_syscalls_get_eperm(mode, request, monkeypatch):
-    """The seccomp filter (issue 28 item 3): keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, namespaces,
+    """The seccomp filter: keyring, io_uring, bpf, perf_event_open, userfaultfd, ptrace, namespaces,
     mounts return EPERM to tool code, in both modes; ordinary calls work. Without the filter some of them get
     through here (add_key stores a key the next call of the same uid could read; io_uring_setup, bpf reach the kernel).
-    Issue 48: process_vm_writev, pidfd_getfd, chroot and personality (ADDR_NO_RANDOMIZE) too; the persona query works."""
+    Also process_vm_readv / _writev (another process's memory without ptrace), pidfd_getfd, chroot and personality
+    (ADDR_NO_RANDOMIZE); the persona query works."""
     import platform
 
     import crl.sandbox
@@ -602,7 +606,8 @@ _KERNEL_SYSCALL_NUMBERS = {
     "fspick": (433, 433), "unshare": (272, 97), "setns": (308, 268), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
     "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224),
     "swapoff": (168, 225), "reboot": (169, 142), "memfd_create": (319, 279), "clone": (56, 220), "clone3": (435, 435),
-    "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "chroot": (161, 51), "personality": (135, 92),
+    "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "chroot": (161, 51),
+    "personality": (135, 92),
     "mount_setattr": (442, 442), "open_tree_attr": (467, 467),
 }
 # include/uapi/linux/sched.h
@@ -684,7 +689,7 @@ def test_the_seccomp_program_denies_exactly_the_list(machine, arch):
                       "perf_event_open", "userfaultfd", "ptrace", "mount", "umount2", "pivot_root", "open_tree",
                       "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "unshare", "setns", "kexec_load",
                       "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot",
-                      "process_vm_writev", "pidfd_getfd", "chroot"}
+                      "process_vm_readv", "process_vm_writev", "pidfd_getfd", "chroot"}
     assert set(DENIED_SYSCALLS) == expected_names and set(FALLBACK_DENIED) == {"memfd_create"}
     assert set(DENIED_WHERE_KNOWN) == {"mount_setattr", "open_tree_attr"}
     seccomp_arch = getattr(pyseccomp.Arch, {"x86_64": "X86_64", "aarch64": "AARCH64"}[machine])
@@ -741,7 +746,7 @@ def _libseccomp_without(monkeypatch, names: set) -> None:
 def test_an_old_libseccomp_is_a_clear_error(monkeypatch, fresh_filters):
     """A libseccomp that does not know clone3 or the io_uring names (older than the syscalls) refuses to build the
     filter with SandboxUnavailable naming the library's version and the names, in both modes, and the trainer build
-    says so under tools.sandbox (b76b240..issue 48: a bare OSError EINVAL from add_rule, mid-run)."""
+    says so under tools.sandbox (it was a bare OSError EINVAL from add_rule, mid-run)."""
     from crl.sandbox import libseccomp_version, seccomp_filter
 
     assert re.fullmatch(r"\d+\.\d+\.\d+", libseccomp_version()), libseccomp_version()
@@ -779,7 +784,7 @@ def test_a_syscall_newer_than_libseccomp_among_the_optional_ones_is_left_to_the_
 
 
 def test_no_filter_no_run(monkeypatch, tmp_path):
-    """Fail closed (issue 48): a seccomp program that is empty or malformed stops the call before anything runs
+    """Fail closed: a seccomp program that is empty or malformed stops the call before anything runs
     (SandboxUnavailable), and the prelude refuses one itself, so a caller that skipped the check cannot start tool
     code without its filter either (before: an empty program installed no filter at all and the code ran)."""
     import crl.sandbox
@@ -984,7 +989,7 @@ def test_no_way_into_a_namespace_unprivileged(bwrap):
     assert unfiltered["clone CLONE_NEWUSER"] == "ok" and unfiltered["unshare CLONE_NEWUSER"] == "ok", unfiltered
 
 
-# --- one memory and process budget per call: a cgroup (issue 28 items 2 and 4) -------------------------------------
+# --- one memory and process budget per call: a cgroup -------------------------------------
 
 @pytest.fixture
 def call_cgroups(bwrap):
@@ -1048,7 +1053,7 @@ print("held MB:", held)
 
 
 def test_anonymous_files_are_charged_to_the_call_or_denied(call_cgroups, monkeypatch):
-    """memfd_create files are memory no rlimit counts (issue 28: 2 GB held). With the call's cgroup they are charged
+    """memfd_create files are memory no rlimit counts (2 GB held without the cgroup). With the call's cgroup they are charged
     to it (killed at the budget); in the fallback without a cgroup memfd_create is denied; with neither defence
     the call holds 640 MB."""
     import crl.sandbox
@@ -1064,7 +1069,7 @@ def test_anonymous_files_are_charged_to_the_call_or_denied(call_cgroups, monkeyp
 
 
 def test_a_file_flood_ends_at_the_call_budget(call_cgroups, monkeypatch):
-    """Empty files cost no tmpfs space but kernel memory (inodes, dentries: 300 000 files took 376 MB, issue 28):
+    """Empty files cost no tmpfs space but kernel memory (inodes, dentries: 300 000 files took 376 MB):
     the call's cgroup charges it, so a flood ends killed at the budget with the observation saying why, and the
     host's memory is back after the call (the tmpfs went with the sandbox)."""
     flood = "import os\nn = 0\nwhile n < 10**7:\n    open(f'/tmp/f{n}', 'w').close()\n    n += 1\n"
@@ -1154,7 +1159,8 @@ _MOUNTINFO_V1 = """\
      (1, {"memory": Path("/sys/fs/cgroup/memory/job")})),
     ("0::/user.slice/run-1.scope\n", "40 24 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n",
      (2, {"memory": Path("/sys/fs/cgroup/user.slice/run-1.scope"), "pids": Path("/sys/fs/cgroup/user.slice/run-1.scope")})),
-    ("0::/\n", "40 24 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", (2, {"memory": Path("/sys/fs/cgroup"), "pids": Path("/sys/fs/cgroup")})),
+    ("0::/\n", "40 24 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+     (2, {"memory": Path("/sys/fs/cgroup"), "pids": Path("/sys/fs/cgroup")})),
     ("1:cpu:/\n", _MOUNTINFO_V1, "no memory cgroup controller"),
     ("4:memory:/x\n", "32 24 0:28 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n", "not mounted"),
 ])

@@ -1,4 +1,4 @@
-"""A critic on the policy's trunk in one pass (``model.share_critic_backbone``, issue 46): ``PolicyValueLM`` writes
+"""A critic on the policy's trunk in one pass (``model.share_critic_backbone``): ``PolicyValueLM`` writes
 log-probs, entropies and values from one forward, and the policy loss carries the value loss weighted
 ``algo.critic_coef`` through one backward.
 
@@ -120,7 +120,8 @@ def test_critic_coef_and_separate_losses_are_refused_without_a_shared_trunk():
         load_config(ROOT / "configs" / "default.yaml", ["algo.critic_coef=0.5"])
     with pytest.raises(ConfigValidationError, match="algo.critic_coef"):
         load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", "algo.critic_coef=0"])
-    load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "algo.separate_losses=true"])
+    load_config(ROOT / "configs" / "default.yaml",
+                ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "algo.separate_losses=true"])
 
 
 def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_micro_batch_of_each_policy_step(tmp_path):
@@ -170,7 +171,8 @@ def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_m
 def _metrics(run_dir):
     keep = ("train/reward", "policy/approx_kl", "policy/loss_objective", "critic/loss_critic", "critic/explained_variance",
             "grad_norm/actor", "grad_norm/critic")
-    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"} for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in json.loads(line).items() if k in keep or k == "step"}
+            for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -291,6 +293,8 @@ def test_values_in_the_policy_step_are_refused_where_a_row_needs_its_siblings():
 
     for extra, expected in ((["train.policy_minibatches=1"], True), (["train.policy_minibatches=2"], False),
                             (["train.policy_minibatches=1", "algo.whiten_advantage=true"], False),
+                            (["train.policy_minibatches=1", "algo.cross_trajectory=false"], True),
+                            (["train.policy_minibatches=1", "algo.boundary=bootstrap", "algo.cross_trajectory=false"], False),
                             (["train.policy_minibatches=1", "train.policy_epochs=2"], False)):
         cfg = load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", *extra])
         ppo = PPOUpdate.__new__(PPOUpdate)

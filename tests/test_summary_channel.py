@@ -1,4 +1,4 @@
-"""The summary channel is observable (issue 26): the environments' ``summary_holds`` verdicts on hand-written summaries,
+"""The summary channel is observable: the environments' ``summary_holds`` verdicts on hand-written summaries,
 the collector's per-episode verdict counts on scripted episodes, and the trainer's ``summary/*``, ``train/success_given_*``,
 ``dev/summary_holds_frac`` and ``policy/entropy_{summary,execution}`` against counts and entropies made by hand.
 
@@ -53,7 +53,8 @@ def test_memory_chain_summary_holds_the_fact_in_any_wording():
 def test_sequential_records_summary_holds_the_asked_keys_final_value():
     task = RecordsTask("r-0", "train", 0, "prompt", ("record 1 : key blue = 7", "record 2 : key red = 2", "record 3 : ignore key blue = 4",
                                                    "record 4 : key blue = 5", "record 5 : key red = 9"),
-                       "question : what is the final value of key blue ?", "5", (("blue", "7"), ("red", "2"), None, ("blue", "5"), ("red", "9")))
+                       "question : what is the final value of key blue ?", "5",
+                       (("blue", "7"), ("red", "2"), None, ("blue", "5"), ("red", "9")))
     env = SequentialRecordsEnv(task, max_steps=10)
     env.reset()
     assert env.asked_key == "blue"
@@ -81,7 +82,8 @@ def test_python_task_summary_holds_its_parameters():
     assert above.summary_holds(f"count values greater than {t + 1}") is False and above.summary_holds("count the large values") is False
     kth = by_spec["kth_smallest"]
     k = kth.param_dict["k"]
-    assert kth.summary_holds(f"the {k} smallest") and kth.summary_holds(f"sorted(xs)[{k - 1}]") and not kth.summary_holds(f"sorted(xs)[{k + 1}]")
+    assert (kth.summary_holds(f"the {k} smallest") and kth.summary_holds(f"sorted(xs)[{k - 1}]")
+            and not kth.summary_holds(f"sorted(xs)[{k + 1}]"))
     assert by_spec["sum_even"].summary_holds("sum of the even numbers") is None  # no parameter: cannot be judged
     tool_suite = PythonToolSuite(None, suite)
     assert tool_suite.summary_holds(above, str(t)) is True
@@ -190,12 +192,14 @@ def test_a_broken_hook_fails_only_its_episode():
     col.collect()
     errors = sorted(e.error for e in col.last_episodes)
     assert all(e.status == EpisodeStatus.FAILED for e in col.last_episodes)
-    assert errors[0].startswith("summary_holds: EnvOutputError: summary_holds() returned 1") and errors[1].startswith("summary_holds: ZeroDivisionError")
+    assert errors[0].startswith("summary_holds: EnvOutputError: summary_holds() returned 1") and errors[1].startswith("summary_holds: "
+                                                                                                                      "ZeroDivisionError")
 
 
 # ------------------------------------------------------------------------------------------ the trainer's metrics
 TINY = ["train.iterations=1", "train.episodes_per_batch=4", "warm_start.steps=4", "warm_start.batch_episodes=4", "eval.episodes=4",
-        "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false", "train.critic_warmup_iterations=0", "checkpoint.evidence_every=1",
+        "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false", "train.critic_warmup_iterations=0",
+        "checkpoint.evidence_every=1",
         "warm_start.stop_answer_p=null"]  # 4 steps cannot teach reading: the probe's stop rule off
 
 
@@ -312,7 +316,8 @@ def test_curves_have_the_summary_channel_panels(tmp_path):
     from crl.tracking import plot_curves
 
     jsonl = tmp_path / "metrics.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in [{"step": -1, "warm_start/answer_p_summary": 0.3}, {"step": 1, "summary/holds_frac": 0.5}]))
+    jsonl.write_text("".join(json.dumps(r) + "\n"
+                             for r in [{"step": -1, "warm_start/answer_p_summary": 0.3}, {"step": 1, "summary/holds_frac": 0.5}]))
     plot_curves(jsonl, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
@@ -349,7 +354,8 @@ def test_chat_collector_asks_the_suite_about_the_summaries_it_copied():
         rows = td[td["rollout_id"] == e.rollout_id]
         rows = rows[rows["segment_index"].argsort()]
         resumed = [i for i in range(rows.batch_size[0])  # each execution segment after a compaction opens with its summary
-                   if int(rows["segment_kind"][i]) == int(SegmentKind.EXECUTION) and bool((rows["provenance"][i] == int(Provenance.COPIED_SUMMARY)).any())]
+                   if int(rows["segment_kind"][i]) == int(SegmentKind.EXECUTION)
+                   and bool((rows["provenance"][i] == int(Provenance.COPIED_SUMMARY)).any())]
         copied = [tok.decode(rows["tokens"][i][rows["provenance"][i] == int(Provenance.COPIED_SUMMARY)].tolist()) for i in resumed]
         assert asked[task][:len(copied)] == copied and len(asked[task]) == e.n_compactions
         verdicts = [None if (i + 1) % 2 == 0 else len(text) % 2 == 0 for i, text in enumerate(asked[task])]
@@ -380,7 +386,8 @@ def test_evaluation_counts_retention_by_the_answers_position():
     from crl.envs.sequential_records import RECORD
 
     fmt = build_prompt_format(cfg, codec)
-    request = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=fmt).summary_instruction_ids
+    request = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id,
+                               prompt_format=fmt).summary_instruction_ids
 
     class FirstKeySummariser(ReadingPolicy):
         """``next`` as every action; as the summary, the first-written key with its final value, read off the records

@@ -56,7 +56,8 @@ def test_counts_summaries_holding_the_fact_and_how_failures_ended(tmp_path):
     evidence = tmp_path / "run" / "evidence" / "iter_000004" / "rank_0"
     evidence.mkdir(parents=True)
     save_episodes(concat_episodes(rows), evidence / "rollout.pt")
-    out = subprocess.run([sys.executable, "scripts/summary_content.py", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "scripts/summary_content.py", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["iteration"] == 4 and got["episodes"] == 5 and got["successes"] == 1, got
@@ -68,8 +69,10 @@ def test_counts_summaries_holding_the_fact_and_how_failures_ended(tmp_path):
 
 def test_records_counts_what_each_summary_holds_against_the_records_shown_before_it(tmp_path):
     # sequential records, 4 records, 2 keys, distractors; one compaction after the last record (the Eq. 7 trigger)
-    overrides = ["env.name=sequential_records", "env.n_records=4", "env.n_keys=2", "env.distractor_rate=0.25", "compaction.context_capacity=136",
-                 "compaction.min_remaining=32", "compaction.max_compactions=1", "compaction.keep_recent=0", "compaction.max_summary_tokens=12"]
+    overrides = ["env.name=sequential_records", "env.n_records=4", "env.n_keys=2", "env.distractor_rate=0.25",
+                 "compaction.context_capacity=136",
+                 "compaction.min_remaining=32", "compaction.max_compactions=1", "compaction.keep_recent=0",
+                 "compaction.max_summary_tokens=12"]
     cfg = load_config(ROOT / "configs" / "default.yaml", overrides)
     suite = build_suite(cfg)
     eos = load_tokenizer().convert_tokens_to_ids(EOS)
@@ -111,7 +114,8 @@ def test_records_counts_what_each_summary_holds_against_the_records_shown_before
     evidence.mkdir(parents=True)
     save_episodes(concat_episodes(rows), evidence / "rollout.pt")
     (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
-    out = subprocess.run([sys.executable, "scripts/summary_content.py", str(tmp_path / "run"), "--rows"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "scripts/summary_content.py", str(tmp_path / "run"), "--rows"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["task"] == "sequential_records" and got["iteration"] == 2 and got["episodes"] == 3 and got["successes"] == 1, got
@@ -146,7 +150,8 @@ def test_census_of_an_export_sums_seeds_per_arm_and_refuses_a_run_without_summar
     def run(name, first, last):
         d = tmp_path / "export" / name
         d.mkdir(parents=True)
-        lines = [dict(iteration=it, rows=[dict(summary=s, records=["blue = 1", "red = 2", "blue = 3"])]) for it, s in ((15, last), (3, first))]
+        lines = [dict(iteration=it, rows=[dict(summary=s, records=["blue = 1", "red = 2", "blue = 3"])])
+                 for it, s in ((15, last), (3, first))]
         (d / "summaries.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
     run("joint_seed1", "blue = 1", "blue = 3 , red = 2")  # stale -> complete

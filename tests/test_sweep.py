@@ -1,7 +1,9 @@
-"""The sweep runner, crl.experiments.sweep with scripts/sweep.py on top (issue 26): the statistics against independent computations, and ``--quick`` end to end (4 runs:
+"""The sweep runner, crl.experiments.sweep with scripts/sweep.py on top: the statistics against independent computations, and ``--quick``
+end to end (4 runs:
 2 seeds x kernels default / avx2, each audited; the kernel really reached the training process; the report's
 aggregates recomputed from its rows; resume retrains nothing, also from a run carried as four files, which a sweep with
-other settings refuses; ``--report-only``; ``--carry`` from a report; the commit that trained each run) and the rule that a run is reused only
+other settings refuses; ``--report-only``; ``--carry`` from a report; the commit that trained each run) and the rule that a run is reused
+only
 under the settings it ran with."""
 import json
 import math
@@ -16,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crl.experiments import sweep
+from crl.experiments import run_files, stats, sweep
+from crl.experiments.exports import carry_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
@@ -66,7 +69,7 @@ def stats_by_hand(strata: dict, threshold: float) -> dict | None:
     if not x:
         return None
     return {"n": len(x), "mean": sum(x) / len(x), "min": min(x), "max": max(x), "iqm": iqm_by_hand(x),
-            "iqm_ci95": bootstrap_by_hand(strata, sweep.RESAMPLES, sweep.BOOTSTRAP_SEED),
+            "iqm_ci95": bootstrap_by_hand(strata, stats.RESAMPLES, stats.BOOTSTRAP_SEED),
             "frac_at_least_threshold": sum(v >= threshold for v in x) / len(x)}
 
 
@@ -97,11 +100,11 @@ def test_parse_seeds():
 
 
 def test_iqm_is_rliables_trimmed_mean():
-    """sweep.iqm == scipy.stats.trim_mean(x, 0.25) (rliable's aggregate_iqm) when scipy is installed, and == a plain
+    """stats.iqm == scipy.stats.trim_mean(x, 0.25) (rliable's aggregate_iqm) when scipy is installed, and == a plain
     sorted-list loop always; n = 10 averages the middle 6 (floor(10/4) = 2 dropped at each end)."""
-    assert sweep.iqm([10, 1, 9, 2, 8, 3, 7, 4, 6, 5]) == (3 + 4 + 5 + 6 + 7 + 8) / 6
-    assert sweep.iqm([0.0, 1.0, 100.0]) == pytest.approx(101 / 3)  # n < 4: nothing dropped
-    assert sweep.iqm([0.0, 1.0, 2.0, 100.0]) == 1.5
+    assert stats.iqm([10, 1, 9, 2, 8, 3, 7, 4, 6, 5]) == (3 + 4 + 5 + 6 + 7 + 8) / 6
+    assert stats.iqm([0.0, 1.0, 100.0]) == pytest.approx(101 / 3)  # n < 4: nothing dropped
+    assert stats.iqm([0.0, 1.0, 2.0, 100.0]) == 1.5
     try:
         from scipy.stats import trim_mean
     except ImportError:
@@ -109,39 +112,42 @@ def test_iqm_is_rliables_trimmed_mean():
     rng = random.Random(0)
     for n in range(1, 40):
         x = [rng.choice([0.0, 0.25, 0.5, 0.9, 1.0, rng.random()]) for _ in range(n)]
-        assert sweep.iqm(x) == pytest.approx(iqm_by_hand(x), abs=1e-12), n
+        assert stats.iqm(x) == pytest.approx(iqm_by_hand(x), abs=1e-12), n
         if trim_mean is not None:
-            assert sweep.iqm(x) == pytest.approx(float(trim_mean(x, 0.25)), abs=1e-12), n
+            assert stats.iqm(x) == pytest.approx(float(trim_mean(x, 0.25)), abs=1e-12), n
 
 
 def test_stratified_bootstrap_matches_a_hand_loop():
     """The vectorised bootstrap equals the loop over resamples (same draws, IQM and percentiles by hand); it is
     stratified: two strata whose values never mix always resample to the same IQM."""
     strata = {"joint/default": [0.9, 1.0, 0.95, 0.3, 1.0], "joint/avx2": [0.25, 0.97, 1.0], "frozen/default": [0.5]}
-    got = sweep.iqm_ci(strata, resamples=4000, seed=123)
+    got = stats.iqm_ci(strata, resamples=4000, seed=123)
     assert got == pytest.approx(bootstrap_by_hand(strata, 4000, 123), abs=1e-12)
-    assert got[0] <= sweep.iqm([v for vs in strata.values() for v in vs]) <= got[1]
-    assert sweep.iqm_ci(strata, resamples=4000, seed=123) == got  # fixed seed: reproducible
+    assert got[0] <= stats.iqm([v for vs in strata.values() for v in vs]) <= got[1]
+    assert stats.iqm_ci(strata, resamples=4000, seed=123) == got  # fixed seed: reproducible
     # Per stratum, 2 zeros and 2 ones: every stratified resample holds 2 of each (IQM 0.5); unstratified would not.
-    assert sweep.iqm_ci({"a": [0.0, 0.0], "b": [1.0, 1.0]}, resamples=2000) == [0.5, 0.5]
-    assert sweep.stats({"a": [], "b": []}, 0.9) is None
+    assert stats.iqm_ci({"a": [0.0, 0.0], "b": [1.0, 1.0]}, resamples=2000) == [0.5, 0.5]
+    assert stats.stats({"a": [], "b": []}, 0.9) is None
 
 
 def test_mean_bootstrap_matches_a_hand_loop():
-    """sweep.mean_ci: the percentile interval of resampled means, with iqm_ci's draws (one stratum), written out."""
+    """stats.mean_ci: the percentile interval of resampled means, with iqm_ci's draws (one stratum), written out."""
     x = [0.25, -0.1, 0.4, 0.05, 0.3]
     rng = np.random.default_rng(7)
     draws = rng.integers(0, len(x), (3000, len(x)))
     means = [sum(x[int(i)] for i in row) / len(x) for row in draws]
-    assert sweep.mean_ci(x, resamples=3000, seed=7) == pytest.approx([percentile_by_hand(means, 2.5), percentile_by_hand(means, 97.5)], abs=1e-12)
-    assert sweep.mean_ci([0.2, 0.2, 0.2]) == pytest.approx([0.2, 0.2])
+    assert stats.mean_ci(x, resamples=3000, seed=7) == pytest.approx([percentile_by_hand(means, 2.5), percentile_by_hand(means, 97.5)],
+                                                                     abs=1e-12)
+    assert stats.mean_ci([0.2, 0.2, 0.2]) == pytest.approx([0.2, 0.2])
 
 
 def test_cli_refuses_ambiguous_arms():
-    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--config", "configs/study/joint.yaml", "configs/study96/joint.yaml", "--out", "unused"],
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--config", "configs/study/joint.yaml", "configs/study96/joint.yaml",
+                           "--out", "unused"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "two arms named 'joint'" in proc.stderr
-    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--seeds", "3-1", "--out", "unused"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", "--seeds", "3-1", "--out", "unused"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--seeds" in proc.stderr
     assert not (ROOT / "unused").exists()
 
@@ -156,11 +162,13 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     marks a missing seed NOT RUN. On a machine torch cannot run AVX2 on, the sweep must refuse before training."""
     out = tmp_path / "sweep"
     cmd = [sys.executable, "scripts/sweep.py", "--quick", "--final-episodes", "8", "--out", str(out)]
-    avx2 = subprocess.run([sys.executable, "-c", "import torch; torch.randn(4096).exp().sum().item(); print(torch.backends.cpu.get_cpu_capability())"],
+    avx2 = subprocess.run([sys.executable, "-c",
+                           "import torch; torch.randn(4096).exp().sum().item(); print(torch.backends.cpu.get_cpu_capability())"],
                           cwd=ROOT, env=dict(ENV, ATEN_CPU_CAPABILITY="avx2"), capture_output=True, text=True, timeout=300)
     if avx2.returncode != 0 or avx2.stdout.strip() != "AVX2":
         refused = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-        assert refused.returncode != 0 and "kernel avx2" in refused.stderr and not (out / "runs").exists(), refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert (refused.returncode != 0 and "kernel avx2" in refused.stderr
+                and not (out / "runs").exists()), refused.stdout[-2000:] + refused.stderr[-2000:]
         pytest.skip(f"torch cannot run AVX2 kernels here ({avx2.stdout.strip() or avx2.stderr[-200:]!r}); the sweep refused kernel avx2")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1500)
@@ -174,7 +182,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     assert report["kernels"] == {"default": {"ATEN_CPU_CAPABILITY": None}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2"}}
     # what torch picks here with the variable unset, asked from a fresh process
     native = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"], cwd=ROOT,
-                            env={k: v for k, v in ENV.items() if k != "ATEN_CPU_CAPABILITY"}, capture_output=True, text=True, timeout=300).stdout.strip()
+                            env={k: v for k, v in ENV.items() if k != "ATEN_CPU_CAPABILITY"}, capture_output=True, text=True,
+                            timeout=300).stdout.strip()
     assert native
     for r in runs:
         name = f"default_seed{r['seed']}_{r['kernel']}"
@@ -192,8 +201,9 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
         assert [it for it, _ in r["curve"]] == [0, 1, 2] and all(0 <= v <= 1 for _, v in r["curve"])
         assert r["iter0_dev_success"] == r["curve"][0][1] and r["final_dev_success"] == r["curve"][-1][1] and r["final_iteration"] == 2
         assert r["iterations_to_threshold"] == next((it for it, v in r["curve"] if v >= 0.9), None)
-        assert r["final_eval"]["episodes"] == 8 and r["final_eval"]["iteration"] == 2 and r["final_eval_success"] == r["final_eval"]["success"]
-        assert set(r["diagnostics"]) <= set(sweep.DIAGNOSTICS) and r["train_wall_s"] > 0
+        assert (r["final_eval"]["episodes"] == 8 and r["final_eval"]["iteration"] == 2
+                and r["final_eval_success"] == r["final_eval"]["success"])
+        assert set(r["diagnostics"]) <= set(run_files.DIAGNOSTICS) and r["train_wall_s"] > 0
         assert r["overrides"] == sweep.QUICK
         # the code that trained it: this checkout's commit (code.json, written before the launch)
         assert r["code"]["commit"] == report["code"]["commit"] == HEAD and r["code"]["dirty"] == report["code"]["dirty"]
@@ -211,7 +221,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
 
         starts = [r["iter0_dev_success"] for r in rows]
         return {"runs": len(rows), "audits_pass": sum(r["audit"] == "PASS" for r in rows),
-                "reached_threshold": sum(any(v >= 0.9 for _, v in r["curve"]) for r in rows), "iter0_dev_success_mean": sum(starts) / len(starts),
+                "reached_threshold": sum(any(v >= 0.9 for _, v in r["curve"]) for r in rows),
+                "iter0_dev_success_mean": sum(starts) / len(starts),
                 "final_dev_success": stats_by_hand(strata("final_dev_success"), 0.9),
                 "final_eval_success": stats_by_hand(strata("final_eval_success"), 0.9)}
 
@@ -247,17 +258,20 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
         os.utime(carried / "runs" / name / f, (1e9 + i, 1e9 + i))  # metrics.jsonl newest
     moved = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes", "8",
                             "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert moved.returncode == 0 and "finished earlier" in moved.stdout and "start " not in moved.stdout, moved.stdout[-2000:] + moved.stderr[-2000:]
+    assert (moved.returncode == 0 and "finished earlier" in moved.stdout
+            and "start " not in moved.stdout), moved.stdout[-2000:] + moved.stderr[-2000:]
     row = json.loads((carried / "report.json").read_text())["runs"][0]
-    refused = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes", "8",
-                              "--set", "algo.gamma=0.5", "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    refused = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--seeds", "0", "--kernels", "default", "--final-episodes",
+                              "8",
+                              "--set", "algo.gamma=0.5", "--out", str(carried)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=600)
     assert refused.returncode == 1 and "algo.gamma: 1.0 -> 0.5" in refused.stderr and "start " not in refused.stdout, refused.stderr[-2000:]
     assert (row["curve"], row["final_eval"], row["audit"]) == (rows2[name]["curve"], rows2[name]["final_eval"], "PASS")
     # a metrics.jsonl the audit did not hash (a resumed run appended to it) makes the audit stale
-    assert sweep.audit_current(carried / "runs" / name)
+    assert run_files.audit_current(carried / "runs" / name)
     with open(carried / "runs" / name / "metrics.jsonl", "a") as f:
         f.write('{"step": 3}\n')
-    assert not sweep.audit_current(carried / "runs" / name)
+    assert not run_files.audit_current(carried / "runs" / name)
 
     # --report-only: trains nothing; seed 2 was never run
     only = subprocess.run([sys.executable, "scripts/sweep.py", "--quick", "--report-only", "--seeds", "0", "2", "--kernels", "default",
@@ -265,7 +279,8 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     assert only.returncode == 1 and "not run: default seed 2" in only.stdout and "start " not in only.stdout, only.stdout[-2000:]
     rows3 = {r["name"]: r for r in json.loads((out / "report.json").read_text())["runs"]}
     assert set(rows3) == {"default_seed0_default", "default_seed2_default"}
-    assert rows3["default_seed0_default"]["curve"] == rows2["default_seed0_default"]["curve"] and rows3["default_seed0_default"]["audit"] == "PASS"
+    assert (rows3["default_seed0_default"]["curve"] == rows2["default_seed0_default"]["curve"]
+            and rows3["default_seed0_default"]["audit"] == "PASS")
     assert rows3["default_seed2_default"]["audit"] == "NOT RUN" and rows3["default_seed2_default"]["curve"] == []
     assert json.loads((out / "report.json").read_text())["aggregates"]["overall"]["final_dev_success"]["n"] == 1
     assert not (out / "runs" / "default_seed2_default").exists()
@@ -273,17 +288,22 @@ def test_quick_sweep_report_kernels_aggregates_and_resume(tmp_path):
     # --carry: the report's finished rows stand in for runs whose directories are gone (a study moved machines); its
     # NOT RUN row does not; nothing trains; settings that differ from the carried run's are refused, naming them
     moved = tmp_path / "moved"
-    base = [sys.executable, "scripts/sweep.py", "--quick", "--kernels", "default", "--final-episodes", "8", "--carry", str(out / "report.json"),
+    base = [sys.executable, "scripts/sweep.py", "--quick", "--kernels", "default", "--final-episodes", "8", "--carry",
+            str(out / "report.json"),
             "--out", str(moved)]
     part = subprocess.run([*base, "--seeds", "0", "2", "--report-only"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert part.returncode == 1 and "carry  default seed 0" in part.stdout and "not run: default seed 2" in part.stdout, part.stdout[-2000:]
     rows4 = {r["name"]: r for r in json.loads((moved / "report.json").read_text())["runs"]}
     assert {k: v for k, v in rows4["default_seed0_default"].items() if k != "carried_from"} == rows3["default_seed0_default"]
-    assert rows4["default_seed0_default"]["carried_from"] == str(out / "report.json") and rows4["default_seed2_default"]["audit"] == "NOT RUN"
+    assert (rows4["default_seed0_default"]["carried_from"] == str(out / "report.json")
+            and rows4["default_seed2_default"]["audit"] == "NOT RUN")
     whole = subprocess.run([*base, "--seeds", "0"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0 and "start " not in whole.stdout and not (moved / "runs").exists(), whole.stdout[-2000:] + whole.stderr[-2000:]
-    other = subprocess.run([*base, "--seeds", "0", "--set", "algo.gamma=0.5"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert other.returncode == 1 and "default seed 0 cannot stand in" in other.stderr and "algo.gamma=0.5" in other.stderr, other.stderr[-2000:]
+    assert (whole.returncode == 0 and "start " not in whole.stdout
+            and not (moved / "runs").exists()), whole.stdout[-2000:] + whole.stderr[-2000:]
+    other = subprocess.run([*base, "--seeds", "0", "--set", "algo.gamma=0.5"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)
+    assert (other.returncode == 1 and "default seed 0 cannot stand in" in other.stderr
+            and "algo.gamma=0.5" in other.stderr), other.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------ reuse: same settings or nothing
@@ -298,8 +318,11 @@ def finished_run(s, job, cfg_overrides=None) -> Path:
     run_dir.mkdir(parents=True)
     cfg = load_config(s.arms[job[0]], s.run_overrides(job) if cfg_overrides is None else cfg_overrides)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "dev/success": 0.25 * i}) + "\n" for i in range(cfg.train.iterations + 1)))
-    (run_dir / "audit.json").write_text(json.dumps({"verdict": "PASS", "files": [{"path": "metrics.jsonl", "sha256": sha256_file(run_dir / "metrics.jsonl")}]}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "dev/success": 0.25 * i}) + "\n"
+                                                   for i in range(cfg.train.iterations + 1)))
+    (run_dir / "audit.json").write_text(json.dumps({"verdict": "PASS",
+                                                    "files": [{"path": "metrics.jsonl",
+                                                               "sha256": sha256_file(run_dir / "metrics.jsonl")}]}))
     return run_dir
 
 
@@ -360,21 +383,21 @@ def test_an_audit_made_by_other_auditor_code_is_redone_where_the_evidence_is(tmp
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     s.log_base(job).parent.mkdir(parents=True)
     assert crl.audit.main([str(run_dir)]) == 0
-    assert sweep.audit_current(run_dir) and s.audit(job) == ("PASS", 0.0, True)
+    assert run_files.audit_current(run_dir) and s.audit(job) == ("PASS", 0.0, True)
 
     def older_auditor(verdict):  # the same metrics, audited by other code (which said `verdict`)
         audit = json.loads((run_dir / "audit.json").read_text())
         (run_dir / "audit.json").write_text(json.dumps(dict(audit, verdict=verdict, auditor={"module": "elsewhere", "sha256": "0" * 64})))
 
     older_auditor("FAIL")
-    assert not sweep.audit_current(run_dir) and sweep.audit_covers_metrics(run_dir)
+    assert not run_files.audit_current(run_dir) and run_files.audit_covers_metrics(run_dir)
     verdict, _, reused = s.audit(job)
-    assert (verdict, reused) == ("PASS", False) and sweep.audit_current(run_dir)  # audited again, by this auditor
+    assert (verdict, reused) == ("PASS", False) and run_files.audit_current(run_dir)  # audited again, by this auditor
 
     shutil.rmtree(run_dir / "evidence")  # carried as text: nothing to audit again
     older_auditor("PASS")
     capsys.readouterr()
-    assert s.audit(job) == ("PASS", 0.0, True) and not sweep.audit_current(run_dir)
+    assert s.audit(job) == ("PASS", 0.0, True) and not run_files.audit_current(run_dir)
     assert "audit of default seed 0 reused: it was made by other auditor code" in capsys.readouterr().out
 
 
@@ -395,16 +418,62 @@ def test_each_launch_records_the_code_that_trains_the_run(tmp_path):
     s.code_state = git_state(ROOT, ignore=(tmp_path,))
     first = s.code_state["dirty"]
     s.record_launch(job)
-    code = s.run_code(s.run_dir(job))
+    code = run_files.run_code(s.run_dir(job))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     assert code["commit"] == head == s.code_state["commit"] and code["dirty"] == s.code_state["dirty"]
     assert code["launches"][0]["iteration"] is None  # launched on an empty run directory
     s.code_state = {"commit": "f" * 40, "dirty": False}  # a later launch (resume) from another commit
     s.record_launch(job)
-    code = s.run_code(s.run_dir(job))
+    code = run_files.run_code(s.run_dir(job))
     assert code["commit"] == [head, "f" * 40] and len(code["launches"]) == 2
     assert code["dirty"] == (True if first is True else "unknown" if first == "unknown" else False)
-    assert s.run_code(tmp_path / "nowhere") == {"commit": "unknown", "dirty": "unknown", "launches": []}
+    assert run_files.run_code(tmp_path / "nowhere") == {"commit": "unknown", "dirty": "unknown", "launches": []}
+
+
+def committed_run(tmp_path, *recipe):
+    """A sweep with ``export`` (a git repository where one finished run's files are committed: its config, written with
+    the sweep's overrides plus ``recipe``, an audit and a final evaluation) and the report row of that run, its hashes
+    those of the committed files. Returns ``(sweep, job, row, git, kept)``; ``carry(sweep, row)`` carries it."""
+    from crl.config import load_config, to_yaml
+    from crl.io import sha256_file
+
+    repo, out = tmp_path / "repo", tmp_path / "out"
+    # noqa: E731
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)
+    repo.mkdir(parents=True)
+    git("init", "-q")
+    s = sweep.Sweep({"default": ROOT / "configs" / "default.yaml"}, [0], out, overrides=sweep.QUICK, final_episodes=8, final_split="test",
+                    carry=tmp_path / "report.json", export=repo / "kept")
+    job = ("default", 0, "default")
+    s.cfgs = s.check_configs()
+    kept = repo / "kept" / s.run_name(*job)
+    kept.mkdir(parents=True)
+    (kept / "config.yaml").write_text(to_yaml(load_config(s.arms["default"], [*s.run_overrides(job), *recipe])))
+    (kept / "audit.json").write_text(json.dumps({"verdict": "PASS"}))
+    evaluation = {"run_dir": "x", "split": "test", "episodes": 8, "tasks": 60, "success": 0.25, "successes": 2, "stderr": 0.15,
+                  "iteration": 2,
+                  "wall_s": 1.0, "summary": {"episodes_judged": 8, "holds": 3, "success_not_holds": 0}}
+    (kept / "eval_test_8.json").write_text(json.dumps(evaluation))
+    git("add", ".")
+    git("commit", "-qm", "the finished run")
+    row = {"name": s.run_name(*job), "arm": "default", "seed": 0, "kernel": "default", "config": "configs/default.yaml",
+           "overrides": [*s.extra_overrides("default", 0), *s.overrides], "final_iteration": 2, "audit": "PASS",
+           "final_eval": run_files.final_eval_record(evaluation), "files_sha256": {f: sha256_file(kept / f) for f in s.evidence_files()}}
+    return s, job, row, git, kept
+
+
+def carry(s, row):
+    s.carry.write_text(json.dumps({"runs": [row]}))
+    return carry_rows(s)
+
+
+def refused(s, row) -> str:
+    """The one line a refused carry stops the sweep with."""
+    with pytest.raises(SystemExit) as err:
+        carry(s, row)
+    msg = str(err.value)
+    assert "\n" not in msg and "default seed 0" in msg, msg
+    return msg
 
 
 def test_carry_takes_a_row_only_when_its_hashes_are_those_of_the_committed_run_files(tmp_path):
@@ -412,60 +481,37 @@ def test_carry_takes_a_row_only_when_its_hashes_are_those_of_the_committed_run_f
     recorded of the run's config, audit and final evaluation are those of the files committed at HEAD under
     ``export/NAME/``, and its audit verdict and final evaluation are those files' own. A row whose hash differs, a row
     without hashes, a file not committed, or numbers edited in the report stop the sweep with one line naming the file."""
-    from crl.config import load_config, to_yaml
-    from crl.io import sha256_file
-
-    repo, out = tmp_path / "repo", tmp_path / "out"
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
-    repo.mkdir()
-    git("init", "-q")
-    report = tmp_path / "report.json"
-    s = sweep.Sweep({"default": ROOT / "configs" / "default.yaml"}, [0], out, overrides=sweep.QUICK, final_episodes=8, final_split="test",
-                    carry=report, export=repo / "kept")
-    job = ("default", 0, "default")
-    s.cfgs = s.check_configs()
-    kept = repo / "kept" / s.run_name(*job)
-    kept.mkdir(parents=True)
-    (kept / "config.yaml").write_text(to_yaml(load_config(s.arms["default"], s.run_overrides(job))))
-    (kept / "audit.json").write_text(json.dumps({"verdict": "PASS"}))
-    evaluation = {"run_dir": "x", "split": "test", "episodes": 8, "tasks": 60, "success": 0.25, "successes": 2, "stderr": 0.15, "iteration": 2,
-                  "wall_s": 1.0, "summary": {"episodes_judged": 8, "holds": 3, "success_not_holds": 0}}
-    (kept / "eval_test_8.json").write_text(json.dumps(evaluation))
-    git("add", ".")
-    git("commit", "-qm", "the finished run")
-    row = {"name": s.run_name(*job), "arm": "default", "seed": 0, "kernel": "default", "config": "configs/default.yaml",
-           "overrides": [*s.extra_overrides("default", 0), *s.overrides], "final_iteration": 2, "audit": "PASS",
-           "final_eval": sweep.final_eval_record(evaluation), "files_sha256": {f: sha256_file(kept / f) for f in s.evidence_files()}}
+    s, job, row, git, kept = committed_run(tmp_path)
     assert set(row["files_sha256"]) == {"config.yaml", "audit.json", "eval_test_8.json"}
-
-    def carry(r):
-        report.write_text(json.dumps({"runs": [r]}))
-        return s.carry_rows()
-
-    assert carry(row)[job]["final_eval"] == row["final_eval"]  # the committed files' own row: carried
-
-    def refused(r) -> str:
-        with pytest.raises(SystemExit) as err:
-            carry(r)
-        msg = str(err.value)
-        assert "\n" not in msg and "default seed 0" in msg, msg
-        return msg
+    assert carry(s, row)[job]["final_eval"] == row["final_eval"]  # the committed files' own row: carried
 
     other = dict(row, files_sha256={**row["files_sha256"], "audit.json": "0" * 64})
-    msg = refused(other)
+    msg = refused(s, other)
     assert str(kept / "audit.json") in msg and "0000000000000000" in msg and "not the committed run's" in msg
-    msg = refused({k: v for k, v in row.items() if k != "files_sha256"})  # written before hashes were kept
+    msg = refused(s, {k: v for k, v in row.items() if k != "files_sha256"})  # written before hashes were kept
     assert "no SHA-256 of its config.yaml" in msg
-    msg = refused(dict(row, final_eval={**row["final_eval"], "successes": 3}))  # numbers edited in the report, hashes kept
+    msg = refused(s, dict(row, final_eval={**row["final_eval"], "successes": 3}))  # numbers edited in the report, hashes kept
     assert str(kept / "eval_test_8.json") in msg
-    msg = refused(dict(row, audit="FAIL"))
+    msg = refused(s, dict(row, audit="FAIL"))
     assert str(kept / "audit.json") in msg
     # the working tree's copy edited after the commit: the committed bytes are what counts (the row still matches them)
     (kept / "audit.json").write_text(json.dumps({"verdict": "FAIL"}))
-    assert job in carry(row)
+    assert job in carry(s, row)
     git("rm", "-q", "kept/default_seed0_default/eval_test_8.json")
     git("commit", "-qm", "the evaluation removed")
-    assert "eval_test_8.json is not committed at HEAD" in refused(row)
+    assert "eval_test_8.json is not committed at HEAD" in refused(s, row)
+
+
+def test_carry_refuses_a_committed_run_of_another_recipe(tmp_path):
+    """The committed run's files and the report's row agree (every hash matches), but its ``config.yaml`` is not the
+    recipe the sweep would launch now (the base config changed after the export): its row is refused, naming each
+    differing key with both values. Where the files sit (``run_dir``) is not part of the recipe."""
+    s, job, row, _, kept = committed_run(tmp_path, "train.actor_lr=0.0003", "algo.entropy_coef=0.02")
+    msg = refused(s, row)
+    assert str(kept / "config.yaml") in msg and "another recipe" in msg, msg
+    assert "train.actor_lr: 0.0003 -> 0.0001" in msg and "algo.entropy_coef: 0.02 -> 0.01" in msg and "run_dir" not in msg, msg
+    s, job, row, _, _ = committed_run(tmp_path / "moved", "run_dir=/elsewhere/run")  # the same recipe written elsewhere: carried
+    assert job in carry(s, row)
 
 
 def test_final_evaluations_run_one_at_a_time(tmp_path, monkeypatch):

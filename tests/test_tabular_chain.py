@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from crl.episode import Provenance, SegmentKind, validate_episodes
+from crl.experiments import tabular_arms as ta
 from crl.experiments import tabular_chain as tc
+from crl.experiments import tabular_policy as tp
 from crl.sampling import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,32 +63,32 @@ def _python_features(ids):
     """``(q, v)`` of a whole context, by a plain loop: the independent twin of prefix_features."""
     q, v = False, 0
     for t in ids:
-        q = q or t == tc.QUESTION_ID
-        if tc.WORDS[t] in tc.CODE_WORDS:
-            v = tc.CODE_WORDS.index(tc.WORDS[t]) + 1
+        q = q or t == tp.QUESTION_ID
+        if tp.WORDS[t] in tp.CODE_WORDS:
+            v = tp.CODE_WORDS.index(tp.WORDS[t]) + 1
     return q, v
 
 
 def test_prefix_features_match_a_plain_loop_and_the_sampler():
     """prefix_features (teacher forcing) = a plain loop = decision_features (the sampler's, one prompt)."""
-    ids = tc.encode("<sys> <task> next code2 next lamp next question")
-    kind, q, v = tc.prefix_features(torch.tensor([ids]))
+    ids = tp.encode("<sys> <task> next code2 next lamp next question")
+    kind, q, v = tp.prefix_features(torch.tensor([ids]))
     for t in range(1, len(ids)):
         assert (bool(q[0, t]), int(v[0, t])) == _python_features(ids[:t])
-        assert tc.decision_features(ids[:t]) == (int(kind[0, t]), bool(q[0, t]), int(v[0, t]))
-    long = tc.encode("<sys> <summary> code1 </summary> next code3 next door <summarize> code3 next question")
-    k2, q2, v2 = tc.prefix_features(torch.tensor([long]))
+        assert tp.decision_features(ids[:t]) == (int(kind[0, t]), bool(q[0, t]), int(v[0, t]))
+    long = tp.encode("<sys> <summary> code1 </summary> next code3 next door <summarize> code3 next question")
+    k2, q2, v2 = tp.prefix_features(torch.tensor([long]))
     for t in range(1, len(long)):
-        assert tc.decision_features(long[:t]) == (int(k2[0, t]), bool(q2[0, t]), int(v2[0, t]))
-    assert kind[0].tolist() == [tc.CONTEXT, tc.CONTEXT, tc.ACTION, tc.CONTEXT, tc.ACTION, tc.CONTEXT, tc.ACTION, tc.CONTEXT]
-    assert tc.observation_word("fact : the code is 3") == "code3"
-    assert tc.observation_word("noise : the lamp is red") == "lamp"
-    assert tc.decode(tc.encode("submit3")) == "submit 3" and tc.decode(tc.encode("next")) == "next"
+        assert tp.decision_features(long[:t]) == (int(k2[0, t]), bool(q2[0, t]), int(v2[0, t]))
+    assert kind[0].tolist() == [tp.CONTEXT, tp.CONTEXT, tp.ACTION, tp.CONTEXT, tp.ACTION, tp.CONTEXT, tp.ACTION, tp.CONTEXT]
+    assert tp.observation_word("fact : the code is 3") == "code3"
+    assert tp.observation_word("noise : the lamp is red") == "lamp"
+    assert tp.decode(tp.encode("submit3")) == "submit 3" and tp.decode(tp.encode("next")) == "next"
 
 
 def _trained_looking_policy():
     torch.manual_seed(0)
-    policy = tc.TabularPolicy()
+    policy = tp.TabularPolicy()
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p))
@@ -109,21 +111,21 @@ def test_backend_log_probs_equal_an_independent_computation(temperature, top_p):
     """Every sampled token's log-prob = log of softmax(table logits / T), top-p renormalised, computed here by
     hand from the tables and plain-loop features; at T = 1, top-p = 1 it also equals the teacher-forced pass."""
     policy = _trained_looking_policy()
-    params = SamplingSpec(temperature=temperature, top_p=top_p, stop_token_ids=(tc.EOS_ID,))
-    backend = tc.TabularBackend(policy, torch.Generator().manual_seed(3))
-    prompts = [tc.encode(p) for p, _ in PROMPTS] * 20
+    params = SamplingSpec(temperature=temperature, top_p=top_p, stop_token_ids=(tp.EOS_ID,))
+    backend = tp.TabularBackend(policy, torch.Generator().manual_seed(3))
+    prompts = [tp.encode(p) for p, _ in PROMPTS] * 20
     gens = backend.generate(prompts, [1] * len(prompts), params)
     seen = set()
     for ids, (_, head), g in zip(prompts, PROMPTS * 20, gens):
         assert len(g.token_ids) == len(g.log_probs) == 1 and not g.stopped
         q, v = _python_features(ids)
         if head == "action":
-            words = tc.ACTION_WORDS
+            words = tp.ACTION_WORDS
             logits = policy.base[int(q)].detach().clone()
             if q:
                 logits[1:] += policy.answer[v].detach()
         else:
-            words, logits = tc.SUMMARY_WORDS, policy.summary[v].detach()
+            words, logits = tp.SUMMARY_WORDS, policy.summary[v].detach()
         probs = torch.softmax(logits.double() / temperature, -1)
         order = probs.argsort(descending=True)
         keep = torch.zeros_like(probs, dtype=torch.bool)
@@ -133,7 +135,7 @@ def test_backend_log_probs_equal_an_independent_computation(temperature, top_p):
                 break
             keep[i], mass = True, mass + float(probs[i])
         probs = torch.where(keep, probs, 0.0) / probs[keep].sum()
-        word = tc.WORDS[g.token_ids[0]]
+        word = tp.WORDS[g.token_ids[0]]
         assert word in words and keep[words.index(word)], (word, head)
         assert g.log_probs[0] == pytest.approx(math.log(float(probs[words.index(word)])), abs=1e-5)
         seen.add((head, word))
@@ -146,26 +148,26 @@ def test_backend_log_probs_equal_an_independent_computation(temperature, top_p):
 
 def test_backend_greedy_and_refusals():
     policy = _trained_looking_policy()
-    params = SamplingSpec(stop_token_ids=(tc.EOS_ID,))
-    ids = tc.encode("<sys> <task> next code3 next lamp <summarize>")
-    g = tc.TabularBackend(policy, greedy=True).generate([ids], [1], params)[0]
-    assert tc.WORDS[g.token_ids[0]] == tc.SUMMARY_WORDS[int(policy.summary[4].argmax())]
+    params = SamplingSpec(stop_token_ids=(tp.EOS_ID,))
+    ids = tp.encode("<sys> <task> next code3 next lamp <summarize>")
+    g = tp.TabularBackend(policy, greedy=True).generate([ids], [1], params)[0]
+    assert tp.WORDS[g.token_ids[0]] == tp.SUMMARY_WORDS[int(policy.summary[4].argmax())]
     with pytest.raises(ValueError, match="makes no decision"):
-        tc.TabularBackend(policy).generate([tc.encode("<sys> <task> next")], [1], params)  # after an action: context
+        tp.TabularBackend(policy).generate([tp.encode("<sys> <task> next")], [1], params)  # after an action: context
     with pytest.raises(ValueError, match=">= 1"):
-        tc.TabularBackend(policy).generate([ids], [0], params)
+        tp.TabularBackend(policy).generate([ids], [0], params)
 
 
 def _smoke_config(**kw):
     # one short stage with a compaction, then a 24-step chain with two: seconds, and real E→S→E paths
-    cur = (tc.Stage(8, (5,), 2), tc.Stage(24, (8, 16), None))
-    base = replace(tc.TabularRunConfig(), curriculum=cur, batch_episodes=12, final_batch_episodes=8, iterations=4)
+    cur = (ta.Stage(8, (5,), 2), ta.Stage(24, (8, 16), None))
+    base = replace(ta.TabularRunConfig(), curriculum=cur, batch_episodes=12, final_batch_episodes=8, iterations=4)
     return replace(base, **kw)
 
 
 @pytest.mark.parametrize("arm", ["joint", "frozen"])
 def test_smoke_training_batches_and_summary_optimization(arm):
-    cfg = tc.arm_config(arm, _smoke_config())
+    cfg = ta.arm_config(arm, _smoke_config())
     st = tc.make_run(cfg, seed=7)
     summary0 = st.policy.summary.detach().clone()
     answer0 = st.policy.answer.detach().clone()
@@ -202,7 +204,7 @@ def test_smoke_training_batches_and_summary_optimization(arm):
 
 
 def test_evaluation_runs_on_heldout_96_step_chain():
-    cfg = tc.arm_config("joint", _smoke_config())
+    cfg = ta.arm_config("joint", _smoke_config())
     st = tc.make_run(cfg, seed=17)
     acc = tc.evaluate(st, "test", 4)
     assert 0.0 <= acc <= 1.0
@@ -212,7 +214,7 @@ def test_evaluation_runs_on_heldout_96_step_chain():
 def test_evaluation_reproduces_the_pre_collector_driver(arm, n, correct):
     """Played by CompactionCollector + TabularBackend, evaluation on fixed tasks with a fixed sampling stream gives
     exactly what the experiment's former episode loop gave (numbers recorded from it at commit 44dc9b7)."""
-    st = tc.make_run(tc.arm_config(arm, tc.TabularRunConfig()), seed=7)
+    st = tc.make_run(ta.arm_config(arm, ta.TabularRunConfig()), seed=7)
     torch.manual_seed(1)
     with torch.no_grad():  # a policy whose answers and summaries depend on the context (the frozen copy does not)
         for p in st.policy.parameters():
@@ -226,7 +228,7 @@ def test_script_quick_writes_report(tmp_path, monkeypatch):
     spec.loader.exec_module(script)
     original = script.quick_config
     tiny = lambda base: replace(  # noqa: E731
-        original(base), curriculum=(tc.Stage(2, (), 1), tc.FINAL_STAGE), iterations=2,
+        original(base), curriculum=(ta.Stage(2, (), 1), ta.FINAL_STAGE), iterations=2,
         batch_episodes=4, final_batch_episodes=2, eval_every=2, eval_episodes=2, test_episodes=2,
         test_episodes_greedy=2,
     )

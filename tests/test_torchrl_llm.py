@@ -235,7 +235,7 @@ def test_a_correct_final_answer_completes_with_reward_one(tok, lm):
 
 @pytest.mark.slow
 def test_a_verifier_outside_the_transform_that_ends_an_episode_on_a_summary_is_refused(tok, lm):
-    """Issue 27 defect 8: a verifier outside CompactionTransform graded a summary turn and ended the episode there (a
+    """A verifier outside CompactionTransform graded a summary turn and ended the episode there (a
     summary "FINAL apple" earned reward 1). Before the transform in the chain: refused at that step; after it (an
     explicit Compose; append_transform puts it inside, as a child): to_episodes refuses the rollout. Both name the fix."""
     from torchrl.data.llm import History
@@ -263,7 +263,8 @@ def test_a_verifier_outside_the_transform_that_ends_an_episode_on_a_summary_is_r
         td = policy(td)
         td["tokens", "response"] = torch.tensor([tok.encode(text + "<|im_end|>", add_special_tokens=False)])
         td["tokens", "full"] = torch.cat([td["tokens", "prompt"].reshape(1, -1), td["tokens", "response"]], -1)
-        td["history"].full = td["history"].prompt.extend(History(role=[["assistant"]], content=[[text]], batch_size=(1, 1)), inplace=False, dim=-1)
+        td["history"].full = td["history"].prompt.extend(History(role=[["assistant"]], content=[[text]], batch_size=(1, 1)), inplace=False,
+                                                         dim=-1)
         return td
 
     def chat():
@@ -295,7 +296,7 @@ def test_bad_setups_fail_with_the_fix_named(tok, lm):
     cfg = CompactionConfig(context_capacity=C, min_remaining=T_COMP)
     with pytest.raises(ConfigError, match="forced_steps"):
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=T_COMP, forced_steps=(2,)), MAX_NEW)
-    with pytest.raises(ConfigError, match="keep_task_prompt=True is not supported"):  # issue 27 defect 8: it was ignored
+    with pytest.raises(ConfigError, match="keep_task_prompt=True is not supported"):  # it was ignored
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=T_COMP, keep_task_prompt=True), MAX_NEW)
     with pytest.raises(ConfigError, match="overflow"):
         CompactionTransform(tok, CompactionConfig(context_capacity=C, min_remaining=8), MAX_NEW)
@@ -311,7 +312,7 @@ def test_bad_setups_fail_with_the_fix_named(tok, lm):
             env.reset(TensorDict(query=["a", "b"], batch_size=(2,)))
     with pytest.raises(ValueError, match="prefer_tokens=True"):  # the history path re-tokenises: refused, not silently drifting
         play(make_env(tok), wrapper(lm, tok, prefer_tokens=False))
-    # issue 27 defect 8: a wrapper whose generation limit exceeds the transform's (a call could overflow C) is refused
+    # a wrapper whose generation limit exceeds the transform's (a call could overflow C) is refused
     longer = TransformersWrapper(lm, tokenizer=tok, input_mode="history", generate=True, return_log_probs=True, prefer_tokens=True,
                                  generate_kwargs=dict(max_new_tokens=MAX_NEW * 4, min_new_tokens=MAX_NEW * 4, do_sample=True,
                                                       suppress_tokens=[0], top_k=len(tok)))
@@ -354,7 +355,8 @@ def chat_config(tmp_path, extra=()):
     base = [f"run_dir={tmp_path / 'run'}", "model.preset=llama-tiny", "model.max_action_tokens=12", "model.value_head_init=normal",
             "prompt.format=chat", "env.name=torchrl_chat", "env.factory=tests._chat_suite:make_suite", "compaction.context_capacity=900",
             "compaction.min_remaining=300", "compaction.max_compactions=2", "compaction.keep_recent=1", "compaction.max_steps=12",
-            "warm_start.enabled=false", "train.iterations=2", "train.episodes_per_batch=2", "train.policy_minibatches=1", "train.critic_warmup_iterations=0",
+            "warm_start.enabled=false", "train.iterations=2", "train.episodes_per_batch=2", "train.policy_minibatches=1",
+            "train.critic_warmup_iterations=0",
             "eval.every=1", "eval.episodes=2", "tools.sandbox=none", "logging.wandb_mode=disabled", *extra]
     return base
 
@@ -371,13 +373,15 @@ def test_trainer_trains_a_chat_env_suite_through_train_py_and_audits_pass(tmp_pa
     assert sum(r.get("episode/compactions", 0) for r in rows) > 0
     reuse = [r["perf/prompt_tokens_reused"] for r in rows if "perf/prompt_tokens_reused" in r]  # the prefix cache, wired in
     assert reuse and all(0.5 < x < 1 for x in reuse), reuse
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:]
     # resume: one more iteration continues from the newest checkpoint with fresh rollout ids
     cmd2 = [c if not c.startswith("train.iterations=") else "train.iterations=3" for c in cmd] + ["checkpoint.resume=force"]
     out = subprocess.run(cmd2, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0, audit.stdout[-3000:]
 
 
@@ -397,7 +401,7 @@ def test_unsupported_torchrl_chat_configs_fail_at_load(tmp_path, override, match
 
 
 def test_a_task_prompt_too_long_for_the_context_fails_at_start_naming_the_task(tmp_path):
-    """Issue 27 defect 6: only the first task of a split was started at load, so a later task whose prompt cannot fit
+    """Only the first task of a split was started at load, so a later task whose prompt cannot fit
     the context ended as FAILED on every draw, mid-run. The check also starts each split's longest prompt."""
     from crl.builders import build_tokenizer, check_budgets
     from crl.config import ConfigValidationError, load_config
@@ -419,15 +423,18 @@ def test_two_ranks_under_accelerate_zero2_give_unique_rollout_ids_and_audit_pass
     overrides = [o for o in chat_config(tmp_path) if not o.startswith("train.iterations=")] + ["train.iterations=1", "eval.every=0"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero2.yaml", "--num_processes", "2",
            "--main_process_port", str(free_port()), "scripts/train.py", "--config", "configs/default.yaml", *overrides]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+           "DS_ACCELERATOR": "cpu"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     from crl.episode import load_episodes
 
-    ids = [set(load_episodes(tmp_path / "run" / "evidence" / "iter_000000" / f"rank_{r}" / "rollout.pt")["rollout_id"].tolist()) for r in (0, 1)]
+    ids = [set(load_episodes(tmp_path / "run" / "evidence" / "iter_000000" / f"rank_{r}" / "rollout.pt")["rollout_id"].tolist())
+           for r in (0, 1)]
     assert ids[0] and ids[1] and not ids[0] & ids[1]
     assert all(i % 2 == 0 for i in ids[0]) and all(i % 2 == 1 for i in ids[1])
-    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    audit = subprocess.run([sys.executable, "scripts/audit.py", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout[-3000:]
 
 
@@ -504,7 +511,7 @@ def test_chat_collector_counts_a_raising_environment_as_failed_and_goes_on(tok, 
 
 
 def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
-    """Issue 27 defect 7: ``fork_rng(devices=[])`` + ``torch.manual_seed`` re-seeded every CUDA generator for good (fork_rng
+    """``fork_rng(devices=[])`` + ``torch.manual_seed`` re-seeded every CUDA generator for good (fork_rng
     restores only the devices it is given). A ChatCollector batch (and a preset model's build) now seeds only the CPU
     generator and the model's own device: CUDA is never seeded here, and the caller's CPU RNG state is as before."""
     from _chat_suite import EchoSuite
@@ -532,7 +539,7 @@ def test_chat_sampling_seeds_its_own_rng_and_never_cudas(tok, lm, monkeypatch):
 
 
 def test_a_rank_whose_chat_episodes_all_failed_yields_failed_rows_and_an_empty_training_batch(tmp_path):
-    """Issue 27 defect 6: ChatCollector raised when every episode of its batch failed, so that rank died while the
+    """ChatCollector raised when every episode of its batch failed, so that rank died while the
     others waited in the next collective until the process-group timeout. Now each failed episode is a FAILED row
     (as crl's own collector records it); the learner drops them and the rank's batch is empty, with no exception:
     the iteration's update is skipped on every rank, or made by the others (the trainer's all-reduce)."""

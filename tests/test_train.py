@@ -40,7 +40,8 @@ def metrics(run_dir):
 
 
 # DeepSpeed ZeRO-2/3 on two processes followed by the audit (rollout ids disjoint, the loss normalised by both ranks'
-# tokens): tests/test_multinode.py::test_two_machines_train_with_deepspeed_and_equal_a_resumed_run_on_one checks it on its uninterrupted run.
+# tokens): tests/test_multinode.py::test_two_machines_train_with_deepspeed_and_equal_a_resumed_run_on_one checks it on its uninterrupted
+# run.
 
 
 def tiny_checkpoint(path):
@@ -98,7 +99,8 @@ def comparable(records, steps):
 
 @pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
-    args = ("train.iterations=4", "checkpoint.every=1", "checkpoint.evidence_every=100", "train.episodes_per_batch=6", "warm_start.steps=30")
+    args = ("train.iterations=4", "checkpoint.every=1", "checkpoint.evidence_every=100", "train.episodes_per_batch=6",
+            "warm_start.steps=30")
     run(train_cmd(tmp_path / "straight", *args))
     killed = tmp_path / "killed"
     proc = subprocess.Popen(train_cmd(killed, *args), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -162,7 +164,8 @@ def test_bad_configs_fail_at_load_naming_the_key(override, key):
 def test_contradictory_choices_and_cli_message(tmp_path):
     with pytest.raises(ConfigValidationError, match="algo.frozen_summary"):
         load_config(ROOT / "configs" / "default.yaml", ["algo.frozen_summary=true", "compaction.enabled=false"])
-    proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'never'}", "algo.aggregation=mean"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'never'}", "algo.aggregation=mean"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "config error: algo.aggregation" in proc.stderr
     assert not (tmp_path / "never").exists()  # refused before anything is written
 

@@ -122,11 +122,13 @@ def test_the_trainer_logs_the_same_step_in_1_or_4_micro_batches(tmp_path):
 
 
 def test_the_logged_metrics_follow_from_the_record():
-    """One process: means over the micro-batches (NaN left out), policy steps, grad norms, entropy per optimized token
-    of each kind, learner throughput (passes: the values, the entropy pass, 2 critic steps, the policy's forwards, 3.25
-    passes of minibatches; a shared trunk's critic entries, the value head's norms per policy step, are no passes of
-    their own: ``critic_passes``)."""
-    report = UpdateReport(grad_norms={"actor": [1.0, 3.0], "critic": [0.5, 0.5]}, behaviour_entropy={"execution": [6.0, 4], "summary": [0.0, 0]},
+    """One process: each loss metric's mean over the iteration's optimizer steps (one value per step, already over the
+    step's whole batch: ``step_metrics``; NaN left out), policy steps, grad norms, entropy per optimized token of each
+    kind, learner throughput (passes: the values, the entropy pass, 2 critic steps, the policy's forwards, 3.25 passes
+    of minibatches; a shared trunk's critic entries, the value head's norms per policy step, are no passes of their
+    own: ``critic_passes``)."""
+    report = UpdateReport(grad_norms={"actor": [1.0, 3.0], "critic": [0.5, 0.5]},
+                          behaviour_entropy={"execution": [6.0, 4], "summary": [0.0, 0]},
                           entropy_pass=True, policy_steps=2, kl_stop=True, kl_final=2.5e-3, learner_s=2.0, critic_passes=2, policy_forwards=3.25)
     report.policy.approx_kl += [1e-3, 3e-3]
     report.critic.explained_variance += [0.5, math.nan]

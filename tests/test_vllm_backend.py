@@ -56,7 +56,8 @@ def teacher_forced_gap(lm, prompts, gens, params=PARAMS) -> float:
 
 def test_behaviour_log_probs_are_the_sampling_distributions(engine, lm):
     """Temperature and top-p applied, every sampled token including the first and the stop token."""
-    for params in (PARAMS, SamplingSpec(temperature=1.0, top_p=1.0, stop_token_ids=(2,)), SamplingSpec(temperature=0.6, top_p=0.8, stop_token_ids=(2,))):
+    for params in (PARAMS, SamplingSpec(temperature=1.0, top_p=1.0, stop_token_ids=(2,)),
+                   SamplingSpec(temperature=0.6, top_p=0.8, stop_token_ids=(2,))):
         gens = engine.generate(PROMPTS, [12, 12, 12], params)
         assert all(1 <= len(g.token_ids) <= 12 and len(g.log_probs) == len(g.token_ids) for g in gens)
         assert teacher_forced_gap(lm, PROMPTS, gens, params) < TOL
@@ -101,7 +102,7 @@ def test_weight_sync_replaces_the_engines_weights(engine, lm, tmp_path):
 
 
 def test_a_state_dict_sync_is_the_verified_sync(engine, lm):
-    """Issue 40 item 3: VLLMBackend.load_state_dict (CompactionCollector.update_policy_weights_) goes through the
+    """VLLMBackend.load_state_dict (CompactionCollector.update_policy_weights_) goes through the
     verified sync on the real engine: the engine then samples the state dict's weights; a state dict whose tensor the
     served model skips without an error (an unexpected bias: read, never applied), or that leaves a parameter with
     its old weights (no final norm), is refused with what went wrong. Before, both were accepted silently."""
@@ -159,7 +160,7 @@ def test_transformers_backend_forks_share_the_model():
 
 
 def test_both_backends_are_samplers_of_one_protocol(engine):
-    """Issue 27 item 2: the trainer calls generate / fork / sleep / wake_up / close / load_state_dict / generator /
+    """The trainer calls generate / fork / sleep / wake_up / close / load_state_dict / generator /
     policy_version on either backend without probing for them (no hasattr): both implement the whole protocol, and
     a fork shares no mutable state (its own stream, its own prefix cache)."""
     from crl.modules.generation import GenerationBackend
@@ -181,7 +182,7 @@ def test_both_backends_are_samplers_of_one_protocol(engine):
 
 
 def test_a_fork_that_wakes_the_engine_lets_the_trainer_put_it_to_sleep_again():
-    """Issue 27 defect 7: fork() copied the asleep flag, so after an evaluation fork woke the engine the trainer's
+    """Fork() copied the asleep flag, so after an evaluation fork woke the engine the trainer's
     handle still believed it asleep and its next sleep() was a no-op (the engine kept its memory through every
     update). The flag is the engine's: counted on a stand-in engine (no vLLM needed)."""
     from crl.modules.vllm_backend import EngineSettings, VLLMBackend
@@ -208,7 +209,7 @@ def test_a_fork_that_wakes_the_engine_lets_the_trainer_put_it_to_sleep_again():
 
 
 def test_sampler_state_holds_the_stream_seed_not_only_the_counter():
-    """Issue 27 defect 4: the checkpointed sampler state was the request counter alone, so a run resumed with another
+    """The checkpointed sampler state was the request counter alone, so a run resumed with another
     world size (whose ranks fork fresh seed streams) and later resumed again at that size went back to the configured
     seed with the fork's counter: requests reused seeds already drawn. The state now holds the seed: the restored
     backend draws exactly the saved stream's next seeds, none drawn before. No vLLM needed (seeds are crl's)."""
@@ -236,7 +237,7 @@ def test_sampler_state_holds_the_stream_seed_not_only_the_counter():
 
 
 def test_a_stop_token_sampled_at_the_length_cap_is_a_stop():
-    """Issue 27 defect 3: vLLM checks the length cap before the stop tokens, so an action whose length including its
+    """VLLM checks the length cap before the stop tokens, so an action whose length including its
     stop token equals the cap came back as a length stop and was decoded with the stop token in it (``submit 42`` +
     ``<|im_end|>`` graded wrong). The backend reads the last token itself; checked on a stand-in engine."""
     from types import SimpleNamespace as NS
@@ -276,7 +277,7 @@ class _TwoWorkerEngine:
 
 
 def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
-    """Issue 27 defect 5, issue 40 item 3: the trainer stamped policy_version after a vLLM sync whatever the engine
+    """The trainer stamped policy_version after a vLLM sync whatever the engine
     read; then it checked only the count worker 0 read. Now every worker's count of tensors *applied* must equal the
     learner's export and no worker may leave a parameter with its old weights, else the sync raises and the version
     stays; run through the trainer's Sampler.sync and the real VLLMBackend.load_weights_from over a stand-in engine
@@ -305,7 +306,7 @@ def test_a_weight_sync_whose_tensors_did_not_all_arrive_is_refused(tmp_path):
 
 
 def test_a_state_dict_sync_is_checked_on_every_worker_and_finds_room(monkeypatch):
-    """Issue 40 item 3: VLLMBackend.load_state_dict (what CompactionCollector.update_policy_weights_ calls) is the
+    """VLLMBackend.load_state_dict (what CompactionCollector.update_policy_weights_ calls) is the
     verified sync: written where there is room (not /dev/shm when it is too small for the weights: the trainer's
     room check), every tensor-parallel worker's applied count checked. Before, it wrote into /dev/shm whatever its
     size and ignored what the workers loaded. A stand-in engine of two workers (no vLLM)."""
@@ -336,7 +337,7 @@ def test_a_state_dict_sync_is_checked_on_every_worker_and_finds_room(monkeypatch
 
 
 def test_weight_syncs_fall_back_from_a_small_dev_shm(monkeypatch, tmp_path):
-    """Issue 27 defect 6: with Docker's default 64 MB /dev/shm the first sync of a real model failed. The default
+    """With Docker's default 64 MB /dev/shm the first sync of a real model failed. The default
     directory is /dev/shm only when it has room for the weights (+10 %), else the temporary directory; a configured
     vllm.weights_dir is used as given; the size counts a tied weight once (what export_weights writes)."""
     import shutil
@@ -360,7 +361,7 @@ def test_weight_syncs_fall_back_from_a_small_dev_shm(monkeypatch, tmp_path):
 
 
 def test_weight_dirs_left_by_a_killed_run_are_removed(tmp_path):
-    """Issue 27 defect 6: a run killed by SIGKILL left its weight directory in RAM (/dev/shm). A process that claimed a
+    """A run killed by SIGKILL left its weight directory in RAM (/dev/shm). A process that claimed a
     directory and was then killed has it removed by the next run's cleanup (what the trainer runs at start-up on each
     machine); directories of a living process, without an owner file, or whose pid was reused by another process
     (another start time) are judged correctly."""
@@ -374,7 +375,8 @@ def test_weight_dirs_left_by_a_killed_run_are_removed(tmp_path):
     code = ("import os, signal, sys; from pathlib import Path; from crl.modules.vllm_backend import claim_weights_dir; "
             "d = Path(sys.argv[1]); d.mkdir(); (d / '000000.safetensors').write_bytes(b'x'); claim_weights_dir(d); "
             "os.kill(os.getpid(), signal.SIGKILL)")
-    proc = subprocess.run([sys.executable, "-c", code, str(killed)], env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    proc = subprocess.run([sys.executable, "-c", code, str(killed)],
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
     assert proc.returncode == -signal.SIGKILL and (killed / "owner").is_file()
     alive = tmp_path / "crl-weights-0-bbbb-machine0"
     alive.mkdir()

@@ -114,7 +114,7 @@ def test_a_lora_policy_reaches_the_engine_merged(ckpt, tmp_path):
 
 
 def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckpt, tmp_path):
-    """Issue 27 item 1 on the vLLM backend: the policy directory's generation_config.json sets a repetition penalty, an
+    """The policy directory's generation_config.json sets a repetition penalty, an
     n-gram ban and a top-k (what a real checkpoint can ship). The engine samples crl's distribution, so the learner
     re-scores exactly what was drawn: the first policy update (one minibatch, every row at the sampling weights) has
     approx_kl at float noise and clips nothing. Guarded twice: the engine is built with ``generation_config="vllm"``
@@ -198,37 +198,154 @@ def test_smollm2_tied_embeddings_sync_and_end_of_turn(smollm2_dir, smollm2_lm, s
         engine.close()
 
 
-def test_a_dead_engine_ends_the_run_with_the_checkpoint_to_resume_from(ckpt, tmp_path):
-    """Issue 27 defect 6: the vLLM engine's process is SIGKILLed mid-run (after the first checkpoint). The run ends
-    within a bounded time (no hang) with one line naming the cause and the checkpoint to resume from, no traceback."""
-    import signal
+# Waiting on a training process: it may take as long as it keeps working (a loaded machine is slow, not stuck), and
+# is stuck once for STALL_S neither its processes used a CPU second nor its run directory or logs changed.
+STALL_S = 300
+
+
+def launch_training(ckpt, tmp_path, *extra):
+    """scripts/train.py on the vLLM backend in its own process, its stdout and stderr into files (never pipes: an
+    orphaned engine process holding a pipe would hang a read of it). Returns ``(proc, run_dir, out, err)``."""
+    run, out, err = tmp_path / "run", tmp_path / "train.out", tmp_path / "train.err"
+    cmd = [sys.executable, "scripts/train.py", f"run_dir={run}", f"model.preset={ckpt}", *VLLM, "warm_start.steps=10",
+           "train.iterations=1000", "checkpoint.every=1", "eval.every=0", *extra]
+    with open(out, "w") as o, open(err, "w") as e:
+        path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(ENV, PYTHONPATH=path), stdout=o, stderr=e)
+    return proc, run, out, err
+
+
+def what_it_was_doing(proc, run, out, err) -> str:
+    """The run's last log lines, newest files and processes (with their CPU seconds), for a failure message."""
     import time
 
     import psutil
 
-    run = tmp_path / "run"
-    cmd = [sys.executable, "scripts/train.py", f"run_dir={run}", f"model.preset={ckpt}", *VLLM, "warm_start.steps=10",
-           "train.iterations=1000", "checkpoint.every=1", "eval.every=0"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(ENV, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    texts = [f.read_text(errors="replace").strip() for f in (out, err)]
+    lines = " | ".join(t.splitlines()[-1][-300:] for t in texts if t)
+    files = sorted((p for p in run.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime)[-4:] if run.is_dir() else []
+    newest = ", ".join(f"{p.relative_to(run)} ({time.time() - p.stat().st_mtime:.0f} s ago)" for p in files) or "nothing"
     try:
-        deadline = time.monotonic() + 600
-        while not (run / "checkpoints" / "iter_000000" / "meta.json").is_file():
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 600 s"
-            time.sleep(1)
-        engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
-        assert engines, "no vLLM EngineCore process below the trainer"
-        for engine in engines:
-            engine.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=300)
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        tree = ", ".join(f"{p.name()} {p.status()} {sum(p.cpu_times()[:2]):.0f} cpu-s" for p in procs)
+    except psutil.NoSuchProcess:
+        tree = f"the trainer exited ({proc.returncode})"
+    return f"last log lines: {lines or 'none'}; newest files in the run directory: {newest}; processes: {tree}"
+
+
+def wait_for_first_checkpoint(proc, run, out, err) -> None:
+    """Until the run's first checkpoint is written, for as long as the run makes progress (STALL_S); fails when the
+    trainer exits first, or stalls, saying what it was doing."""
+    import time
+
+    import psutil
+
+    target = run / "checkpoints" / "iter_000000" / "meta.json"
+    seen, seen_at, cpu_at = None, time.monotonic(), 0.0
+    while not target.is_file():
+        assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before its first checkpoint: {err.read_text()[-3000:]}"
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            cpu = sum(sum(p.cpu_times()[:2]) for p in tree)
+        except psutil.NoSuchProcess:
+            continue
+        files = {(str(p), p.stat().st_size) for p in [out, err, *run.rglob("*")] if p.is_file()} if run.is_dir() else set()
+        if files != seen or cpu >= cpu_at + 1.0:
+            seen, seen_at, cpu_at = files, time.monotonic(), cpu
+        assert time.monotonic() - seen_at < STALL_S, (f"no progress for {STALL_S} s (no CPU second used, no file changed) before "
+                                                      f"the first checkpoint: {what_it_was_doing(proc, run, out, err)}")
+        time.sleep(1)
+
+
+def engine_processes(pid: int) -> list:
+    """The vLLM engine's processes below ``pid`` (``VLLM::EngineCore``, ``VLLM::Worker``: vLLM's process titles)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "VLLM::" in " ".join([p.name(), *p.cmdline()]):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def kill_all(proc, others) -> None:
+    """SIGKILL the trainer and whichever of ``others`` still runs (a failing test leaves no process behind)."""
+    import psutil
+
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=60)
+    for p in others:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.timeout(1800)  # a backstop: the run's own progress decides (STALL_S)
+def test_a_dead_engine_ends_the_run_with_the_checkpoint_to_resume_from(ckpt, tmp_path):
+    """The vLLM engine's process is SIGKILLed mid-run (after the first checkpoint). The run ends
+    within a bounded time (no hang) with one line naming the cause and the checkpoint to resume from, no traceback;
+    the engine's workers die with it."""
+    import signal
+
+    import psutil
+
+    proc, run, out, err = launch_training(ckpt, tmp_path)
+    engine = []
+    try:
+        wait_for_first_checkpoint(proc, run, out, err)
+        engine = engine_processes(proc.pid)
+        cores = [p for p in engine if "EngineCore" in " ".join([p.name(), *p.cmdline()])]
+        assert cores, f"no vLLM EngineCore process below the trainer: {what_it_was_doing(proc, run, out, err)}"
+        for core in cores:
+            core.send_signal(signal.SIGKILL)
+        try:
+            proc.wait(timeout=300)  # the watchdog ends a waiting call within a second; the rest is the trainer's exit
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the trainer still runs 300 s after its engine died: {what_it_was_doing(proc, run, out, err)}")
+        _, alive = psutil.wait_procs(engine, timeout=60)
+        assert not alive, f"engine processes outlived the run: {[(p.pid, p.name()) for p in alive]}"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode != 0, err[-3000:]
+        kill_all(proc, engine)
+    text = err.read_text()
+    assert proc.returncode != 0, text[-3000:]
     # the trainer's line (after it, only the interpreter's exit warnings, e.g. multiprocessing's resource tracker)
-    lines = [x for x in err.splitlines() if x.startswith("error: ")]
-    assert len(lines) == 1, err[-3000:]
+    lines = [x for x in text.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, text[-3000:]
     line = lines[0]
     assert line.startswith("error: rank 0 of 1 its vLLM engine died") and "checkpoints/iter_" in line and "relaunch" in line, line
-    assert not err.rstrip().splitlines()[-1].startswith(("EngineDeadError", "vllm.")), err[-3000:]  # not an uncaught exception
+    assert not text.rstrip().splitlines()[-1].startswith(("EngineDeadError", "vllm.")), text[-3000:]  # not an uncaught exception
+
+
+@pytest.mark.timeout(1800)  # a backstop: the run's own progress decides (STALL_S)
+def test_a_killed_trainer_takes_its_engine_with_it(ckpt, tmp_path):
+    """The trainer SIGKILLed mid-run (as the OOM killer or a scheduler does: nothing of it runs after): no process of
+    its vLLM engine survives it (each dies with its parent, crl.modules.vllm_worker.die_with_parent). Before, the
+    engine core and its worker lived on as orphans (parent 1, ~2 GB resident), holding their memory and the trainer's
+    pipes."""
+    import signal
+    from importlib.metadata import entry_points
+
+    import psutil
+
+    from crl.modules.vllm_backend import DIE_WITH_PARENT_PLUGIN
+
+    proc, run, out, err = launch_training(ckpt, tmp_path)
+    engine = []
+    try:
+        wait_for_first_checkpoint(proc, run, out, err)
+        engine = engine_processes(proc.pid)
+        kinds = {k for p in engine for k in ("EngineCore", "Worker") if k in " ".join([p.name(), *p.cmdline()])}
+        assert kinds == {"EngineCore", "Worker"}, f"engine processes below the trainer: {[(p.pid, p.name()) for p in engine]}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(engine, timeout=60)
+        installed = [ep for ep in entry_points(group="vllm.general_plugins") if (ep.name, ep.value) == DIE_WITH_PARENT_PLUGIN]
+        assert not alive, (f"engine processes outlived the killed trainer by 60 s: {[(p.pid, p.name()) for p in alive]}"
+                           + ("" if installed else " (crl's vllm.general_plugins entry point is not installed: reinstall crl, make setup)"))
+    finally:
+        kill_all(proc, engine)

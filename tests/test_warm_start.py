@@ -138,7 +138,8 @@ def _code_slot_probabilities(summary_content: str, steps: int = 40):
     four codes at the digit slot, and the share of that mass on the task's own code."""
     lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
     actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
-    warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=steps, batch_episodes=4, lr=3e-3, seed=0, summary_content=summary_content, progress=False)
+    warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=steps, batch_episodes=4, lr=3e-3, seed=0, summary_content=summary_content,
+               progress=False)
     batch = demonstration_batch(SUITE, CompactionEngine(CFG, encode, eos_id=EOS_ID), encode, EOS_ID, 16, random.Random(5), "format")
     codes = TOK.convert_tokens_to_ids([str(d) for d in range(4)])
     mass, right = [], []
@@ -172,7 +173,8 @@ def test_stopping_rule_ends_the_warm_start_when_the_probe_reads():
         lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
         actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
         logged = []
-        with pytest.raises(WarmStartError, match=r"after 12 steps .* answer probe is 0\.\d+ < warm_start\.stop_answer_p=1\.0") if threshold == 1.0 else contextlib.nullcontext():
+        refused = pytest.raises(WarmStartError, match=r"after 12 steps .* answer probe is 0\.\d+ < warm_start\.stop_answer_p=1\.0")
+        with refused if threshold == 1.0 else contextlib.nullcontext():
             warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=12, batch_episodes=2, lr=3e-3, seed=0, progress=False,
                        stop_answer_p=threshold, probe_every=5, log=lambda m, step: logged.append((step, m)))
         runs[threshold] = logged

@@ -79,13 +79,15 @@ def test_every_scripted_summary_holds_by_the_environments_own_verdict():
     from crl.builders import build_collector, build_prompt_format, build_tokenizer
     from crl import prompts
 
-    cfg = load_config(ROOT / "configs" / "default.yaml", ["env.name=sequential_records", "env.n_records=8", "env.n_keys=3", "eval.episodes=12",
+    cfg = load_config(ROOT / "configs" / "default.yaml",
+                      ["env.name=sequential_records", "env.n_records=8", "env.n_keys=3", "eval.episodes=12",
                                                          "logging.wandb_mode=disabled", "compaction.context_capacity=160",
                                                          "compaction.min_remaining=48", "compaction.max_compactions=3",
                                                          "compaction.max_summary_tokens=16"])
     codec = build_tokenizer(cfg)
     summariser = ScriptedSummariser(codec, prompts.RESUME_PREFIX, prompts.RESUME_SUFFIX)
-    col = build_collector(cfg, "dev", None, _AlwaysNext(codec), codec, build_prompt_format(cfg, codec), evaluation=True, frozen_backend=summariser)
+    col = build_collector(cfg, "dev", None, _AlwaysNext(codec), codec, build_prompt_format(cfg, codec), evaluation=True,
+                          frozen_backend=summariser)
     col.collect()
     judged = sum(e.summaries_judged for e in col.last_episodes)
     assert judged >= 6, f"only {judged} summaries judged: too few to check"

@@ -80,7 +80,8 @@ def check_advantages(ev: Evidence, tolerance: float = TOLERANCE):
                 e_a = np.where(np.isfinite(e_a), e_a, np.inf)
                 e_v = np.where(np.isfinite(e_v), e_v, np.inf)
                 if e_a.max() > max_adv:
-                    max_adv, worst = float(e_a.max()), f"advantage at {row.where} rollout {row.rid} segment {row.seg} token {int(pos[e_a.argmax()])}"
+                    max_adv, worst = (float(e_a.max()),
+                                      f"advantage at {row.where} rollout {row.rid} segment {row.seg} token {int(pos[e_a.argmax()])}")
                 if e_v.max() > max_vt:
                     max_vt = float(e_v.max())
                     if max_vt > max_adv:

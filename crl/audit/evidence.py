@@ -123,7 +123,8 @@ def check_evidence_files(ev: Evidence):
                 problems.append(f"iter_{it:06d}: {name} holds no rows on any rank")
     policies = {m.get("failed_episodes", "train") for m in ev.meta.values()}
     if not policies <= {"drop", "train"} or len(policies) > 1:
-        problems.append(f"failed_episodes must be one of drop/train and equal in every evidence meta.json, got {sorted(map(str, policies))}")
+        problems.append("failed_episodes must be one of drop/train and equal in every evidence meta.json, got "
+                        f"{sorted(map(str, policies))}")
     ev.failed_episodes = next(iter(policies)) if len(policies) == 1 else "train"
     uniform = {m.get("uniform_groups", "train") for m in ev.meta.values()}
     if not uniform <= {"drop", "train"} or len(uniform) > 1:

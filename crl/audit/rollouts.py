@@ -75,7 +75,8 @@ def check_trainable_set(ev: Evidence):
             if failed and drop:
                 dropped += 1
                 if present:
-                    problems.append(f"iter {it} rollout {rid} (FAILED): segments {present} are in training.pt although failed_episodes=drop")
+                    problems.append(f"iter {it} rollout {rid} (FAILED): segments {present} are in training.pt although "
+                                    "failed_episodes=drop")
             elif rid in left_out:
                 dropped_uniform += 1
                 if present:

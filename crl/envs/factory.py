@@ -102,5 +102,6 @@ def build_custom_suite(spec: str, kwargs: dict, stage=None):
         except Exception as err:
             raise FactoryError(f"{spec}: the suite's tasks({split!r}) raised {type(err).__name__}: {err}") from err
         if not hasattr(tasks, "__len__") or len(tasks) == 0:
-            raise FactoryError(f"{spec}: tasks({split!r}) returned {type(tasks).__name__} {tasks!r:.60}; every split needs a non-empty sequence")
+            raise FactoryError(f"{spec}: tasks({split!r}) returned {type(tasks).__name__} {tasks!r:.60}; every split needs a non-empty "
+                               "sequence")
     return suite

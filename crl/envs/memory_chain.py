@@ -43,7 +43,8 @@ def summary_has_fact(summary_text: str, code: int | str) -> bool:
 class MemoryChainEnv(TextEnv):
     """One episode of a memory-chain task; the fact's code is the task's answer."""
 
-    def __init__(self, task: Task, max_steps: int, n_facts: int, compaction_steps: tuple[int, ...], keep_recent: int, early_submit: str = "accept",
+    def __init__(self, task: Task, max_steps: int, n_facts: int, compaction_steps: tuple[int, ...], keep_recent: int,
+                 early_submit: str = "accept",
                  invalid_command: str = "observe"):
         super().__init__(task, max_steps, early_submit, invalid_command)
         self.n_facts = n_facts
@@ -99,7 +100,8 @@ class MemoryChainSuite(TaskSuite):
         compaction_steps = tuple(int(s) for s in compaction_steps)
         if list(compaction_steps) != sorted(set(compaction_steps)) or any(s < 1 for s in compaction_steps):
             raise ValueError(f"compaction_steps must be strictly increasing positive ints, got {compaction_steps}")
-        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit,
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits,
+                         early_submit=early_submit,
                          invalid_command=invalid_command)
         self.length = length
         self.n_facts = n_facts
@@ -110,7 +112,8 @@ class MemoryChainSuite(TaskSuite):
         code = str(rng.randrange(self.n_facts))
         noise = [f"noise : the {rng.choice(NOUNS)} is {rng.choice(COLOURS)}" for _ in range(self.length)]
         prompt = (
-            "the first item is a fact . then noise items follow , then the question . "  # no digit: the code is the only number an episode shows
+        # no digit: the code is the only number an episode shows
+            "the first item is a fact . then noise items follow , then the question . "
             "remember the code and submit it ."
         )
         return Task(

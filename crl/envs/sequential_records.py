@@ -118,6 +118,19 @@ class SequentialRecordsEnv(TextEnv):
         return summary_pairs(summary_text, key, self.task.answer)
 
 
+def askable_possible(n_keys: int, distractor_rate: float) -> bool:
+    """Whether a task can have a key whose final write lies before its last record (what ``question_not_in_last >= 1``
+    asks for): with one key and no distractor every record writes that key, so its final write is always the last."""
+    return n_keys > 1 or distractor_rate > 0
+
+
+def unaskable(n_keys: int, question_not_in_last: int, prefix: str = "") -> str:
+    """The error for a combination :func:`askable_possible` rules out (``prefix``: ``"env."`` for config keys)."""
+    return (f"{prefix}question_not_in_last={question_not_in_last} with {prefix}n_keys={n_keys} and {prefix}distractor_rate=0: "
+            f"every record writes the one key, so its final write is always the last record and no task can be built; use "
+            f"{prefix}n_keys >= 2, {prefix}distractor_rate > 0 or {prefix}question_not_in_last=0")
+
+
 class SequentialRecordsSuite(TaskSuite):
     """360 deterministic sequential-records tasks (240 train / 60 dev / 60 test by default).
 
@@ -164,7 +177,10 @@ class SequentialRecordsSuite(TaskSuite):
             raise ValueError(f"n_keys must be in [1, {len(KEYS)}], got {n_keys}")
         if not 2 <= n_values <= 10:
             raise ValueError(f"n_values must be in [2, 10], got {n_values}")
-        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits, early_submit=early_submit,
+        if question_not_in_last and not askable_possible(n_keys, distractor_rate):
+            raise ValueError(unaskable(n_keys, question_not_in_last))
+        super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits,
+                         early_submit=early_submit,
                          invalid_command=invalid_command)
         self.n_records = n_records
         self.distractor_rate = distractor_rate

@@ -1,5 +1,5 @@
 """What partial summaries are worth on a sequential-records task: the price of every shortcut a summary policy could
-take instead of keeping which value belongs to which key (issue 47).
+take instead of keeping which value belongs to which key.
 
 A *shortcut* keeps part of what the records showed; its reader reads that part perfectly after the question and
 submits. The price is the exact probability that the submission is the answer, averaged over every task of a split
@@ -8,7 +8,7 @@ the study's preregistration. ``U`` below is the task's update records in order, 
 values; a reader that holds nothing about ``a`` guesses uniformly (``1 / V``).
 
 * ``guess``: nothing kept: ``1 / V``.
-* ``last_value``: the last update's value, no key; submitted. The recency shortcut of issue 39's task.
+* ``last_value``: the last update's value, no key; submitted. The recency shortcut of the pretrained study's task.
 * ``most_frequent_value``: the most frequent value of ``U`` (ties: one of them uniformly), no key.
 * ``last_k_values``: the values of the last ``k`` updates, no keys: one of the distinct ones uniformly.
 * ``last_k_records``: the last ``k`` updates with their keys: ``a``'s value when ``a`` is among them (its last write
@@ -119,7 +119,8 @@ def prices_table(cfg, splits=("train", "dev", "test")) -> dict:
         raise ValueError(f"env.name is {cfg.env.name!r}: the shortcut prices are for sequential_records tasks")
     suite = build_suite(cfg)
     ks = tuple(range(1, max(3, cfg.env.question_not_in_last) + 1))
-    kwargs = dict(ks=ks, early_submit=cfg.env.early_submit, compact_after=cfg.env.compact_after_step, keep_recent=cfg.compaction.keep_recent)
+    kwargs = dict(ks=ks, early_submit=cfg.env.early_submit, compact_after=cfg.env.compact_after_step,
+                  keep_recent=cfg.compaction.keep_recent)
     rows = {}
     for split in splits:
         tasks = suite.tasks(split)
@@ -132,7 +133,8 @@ def prices_table(cfg, splits=("train", "dev", "test")) -> dict:
                        "recency_max": float(max(recency.values())), "recency_max_shortcut": max(recency, key=recency.get),
                        "best_shortcut": best, "best_shortcut_price": float(prices[best]), "best_shortcut_price_exact": exact(prices[best]),
                        "above_chance_plus_0.05": sorted(k for k, v in prices.items() if v > chance + Fraction(1, 20) and k != "everything")}
-    return {"env": {"n_records": suite.n_records, "n_keys": suite.n_keys, "n_values": suite.n_values, "distractor_rate": suite.distractor_rate,
+    return {"env": {"n_records": suite.n_records, "n_keys": suite.n_keys, "n_values": suite.n_values,
+                    "distractor_rate": suite.distractor_rate,
                     "question_not_in_last": suite.question_not_in_last, "early_submit": cfg.env.early_submit,
                     "compact_after_step": cfg.env.compact_after_step, "keep_recent": cfg.compaction.keep_recent},
             "ks": list(ks), "splits": rows}

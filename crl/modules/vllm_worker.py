@@ -12,8 +12,58 @@ attribute 'dtype'``); bytes through the RPC cost 5-9 s per sync for SmolLM2-135M
 about 1 s. Why ``reload_weights`` and not ``model.load_weights``: on the CPU, vLLM repacks every linear weight into
 its GEMM layout after loading and leaves the original parameter empty; the worker's ``reload_weights`` re-creates,
 loads and repacks layer by layer (and is vLLM's own in-place reload path on GPUs too).
+
+:func:`die_with_parent` is the other half of the engine's lifetime: a vLLM *general plugin* (entry point group
+``vllm.general_plugins`` in pyproject.toml), which vLLM calls in every process it starts, so that the engine's
+processes die with the process that started them however it dies (SIGKILL and the OOM killer included).
 """
 from __future__ import annotations
+
+#: The environment variable :class:`crl.modules.vllm_backend.VLLMBackend` sets while its engine starts: the pid of the
+#: process the engine's processes must die with (each engine process then names itself for its own children).
+DIE_WITH_ENV = "CRL_VLLM_DIE_WITH"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Make this vLLM process die (SIGKILL) when its parent does, if crl started the engine (:data:`DIE_WITH_ENV`).
+
+    Why: vLLM's engine core process (``VLLM::EngineCore``) waits on its input socket forever once its client is gone,
+    and its workers (``VLLM::Worker``) only watch the engine core; a trainer killed without running its ``close`` (SIGKILL,
+    the OOM killer, a scheduler) left both running as orphans, holding their memory (a GPU's, on a GPU). Nothing in
+    the killed trainer can run, so the engine's processes watch for it themselves: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``
+    makes the kernel kill a process as soon as the thread that started it exits. The engine core is started by the
+    thread that builds ``vllm.LLM`` and the workers by the engine core's main thread, so the chain is trainer ->
+    engine core -> workers. vLLM starts these processes with ``spawn`` on a CPU (a fresh interpreter, nothing of the
+    trainer's runs in it); its general plugins are the code it runs in each of them, early (the engine core before it
+    starts its workers).
+
+    Only a process started by multiprocessing whose parent is the pid in :data:`DIE_WITH_ENV` is armed: never the
+    trainer itself (vLLM loads the plugins in the calling process too), never an unrelated vLLM. A parent that died
+    before the signal was armed is caught (this process is no longer its child): it exits at once."""
+    import multiprocessing
+    import os
+    import signal
+    import sys
+
+    expected = os.environ.get(DIE_WITH_ENV, "")
+    if not expected.isdigit() or multiprocessing.parent_process() is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed: the vLLM engine would outlive its trainer")
+    if os.getppid() != int(expected):
+        try:
+            os.kill(int(expected), 0)
+        except ProcessLookupError:  # the parent is already gone: the signal armed too late to fire
+            os.kill(os.getpid(), signal.SIGKILL)
+        except PermissionError:
+            pass
+        libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)  # not the parent's own child (a process further down): left alone
+        return
+    os.environ[DIE_WITH_ENV] = str(os.getpid())  # the processes this one starts (the engine core's workers) die with it
 
 
 def iter_weight_files(directory: str):

@@ -18,8 +18,8 @@ The suite (what ``env.factory`` returns, called with ``tokenizer=``, ``seed=`` a
                                                        # (crl.envs.base.TextEnv.summary_holds; a diagnostic)
 
 Sampling is reproducible: each episode samples under ``torch`` seeded from the collector's stream and the episode
-number, inside :func:`crl.sampling.seeded_torch_rng` (the trainer's global RNG is untouched, CUDA's included). An environment that raises ends
-its episode as FAILED (counted, logged, one row of its task text, never trained by default); the batch goes on.
+number, inside :func:`crl.sampling.seeded_torch_rng` (the trainer's global RNG is untouched, CUDA's included). An environment that raises
+ends its episode as FAILED (counted, logged, one row of its task text, never trained by default); the batch goes on.
 """
 from __future__ import annotations
 
@@ -64,14 +64,16 @@ class ChatCollector(EpisodeStream):
             its seed (the sampler stream) and its ``policy_version``. tokenizer: its ``transformers`` tokenizer (chat template).
         compaction: Eq. 7–9 numbers. texts: ``summary_instruction`` / ``resume_prefix`` / ``resume_suffix`` overrides.
         episodes_per_batch, temperature, top_p, max_new_tokens: as crl's collector (one generation limit for actions
-            and summaries: TorchRL's wrapper takes one). task_seed: the task draw. rank / world_size / group_size / tasks_in_order: as crl's.
+            and summaries: TorchRL's wrapper takes one). task_seed: the task draw. rank / world_size / group_size / tasks_in_order: as
+            crl's.
         sampling: the :class:`crl.sampling.SamplingSpec` (default: ``temperature``, ``top_p``, the pad token
             suppressed: TorchRL's wrapper reads pad as padding). The wrapper's ``generate`` runs inside
             :meth:`~crl.sampling.SamplingSpec.applied_to`, so the policy's ``generation_config.json`` cannot add a
             penalty or a top-k (one warning names what it sets); the re-scoring actor applies the same spec.
     """
 
-    def __init__(self, suite, split: str, backend, tokenizer, compaction: CompactionConfig, *, episodes_per_batch: int, temperature: float = 1.0,
+    def __init__(self, suite, split: str, backend, tokenizer, compaction: CompactionConfig, *, episodes_per_batch: int,
+                 temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int = 16, task_seed: int = 0, rank: int = 0, world_size: int = 1,
                  tasks_in_order: bool = False, group_size: int = 1, texts: dict | None = None, progress: bool = False,
                  sampling: SamplingSpec | None = None):
@@ -94,10 +96,12 @@ class ChatCollector(EpisodeStream):
         # the re-scoring actor: exactly the learner's (tests/test_sampling.py checks against generate's own scores)
         self.sampling = sampling or SamplingSpec(temperature, top_p, suppress_ids=(int(tokenizer.pad_token_id),))
         if int(tokenizer.pad_token_id) not in self.sampling.suppress_ids:
-            raise ValueError(f"the chat sampler must suppress the pad token ({tokenizer.pad_token_id}): TorchRL's wrapper reads it as padding")
+            raise ValueError(f"the chat sampler must suppress the pad token ({tokenizer.pad_token_id}): TorchRL's wrapper reads it as "
+                             "padding")
         warn_ignored_generation_keys(lm, self.sampling)
         self.policy = TransformersWrapper(lm, tokenizer=tokenizer, input_mode="history", generate=True,
-                                          generate_kwargs=self.sampling.generate_kwargs(max_new_tokens), return_log_probs=True, prefer_tokens=True)
+                                          generate_kwargs=self.sampling.generate_kwargs(max_new_tokens), return_log_probs=True,
+                                          prefer_tokens=True)
         self.actor = actor_module(lm, sampling=self.sampling)
         self.stop_id = self.compaction_factory(0)().stop_id  # fail now, not mid-run: the transform checks the budget against the texts
         self.engine = self  # the trainer reads collector.engine.config.forced_steps (none here: compaction is by budget)
@@ -120,7 +124,8 @@ class ChatCollector(EpisodeStream):
     @staticmethod
     def make_compaction(tokenizer, config: CompactionConfig, max_new_tokens: int, texts: dict, rollout_id: int):
         """``compaction(*on_action)`` for a suite's ``make_env``: a CompactionTransform numbering its one episode ``rollout_id``."""
-        return functools.partial(CompactionTransform, tokenizer, config, max_new_tokens, first_rollout_id=rollout_id, rollout_id_stride=1, **texts)
+        return functools.partial(CompactionTransform, tokenizer, config, max_new_tokens, first_rollout_id=rollout_id, rollout_id_stride=1,
+                                 **texts)
 
     def compaction_factory(self, rollout_id: int):
         return self.make_compaction(self.tokenizer, self.config, self.max_new_tokens, self.texts, rollout_id)
@@ -201,7 +206,8 @@ class ChatCollector(EpisodeStream):
                     verdicts = self._judge_summaries(task, td)
                 except Exception as err:  # the user's environment (or its tools) failed: this episode only
                     warnings.warn(f"torchrl_chat episode {rid} ({task_id}) failed: {type(err).__name__}: {err}", stacklevel=2)
-                    self.last_episodes.append(EpisodeSummary(rid, task_id, EpisodeStatus.FAILED, 0.0, 0, 0, 1, f"{type(err).__name__}: {err}"))
+                    self.last_episodes.append(EpisodeSummary(rid, task_id, EpisodeStatus.FAILED, 0.0, 0, 0, 1,
+                                                             f"{type(err).__name__}: {err}"))
                     episodes.append(self._failed_rows(task, rid, group_id))
                     bar.update(1)
                     continue
@@ -228,7 +234,8 @@ class ChatCollector(EpisodeStream):
         n_done = len(self.last_episodes)
         self.last_stats = {
             "episodes": n_done, "generated_action_tokens": generated["action"], "generated_summary_tokens": generated["summary"],
-            "seconds": elapsed, "episodes_per_s": n_done / elapsed, "generated_tokens_per_s": (generated["action"] + generated["summary"]) / elapsed,
+            "seconds": elapsed, "episodes_per_s": n_done / elapsed,
+            "generated_tokens_per_s": (generated["action"] + generated["summary"]) / elapsed,
             "prompt_tokens_reused": self._reused_tokens / max(self._prompt_tokens, 1),
         }
         return batch

@@ -69,7 +69,8 @@ def to_episodes(data: TensorDictBase, actor=None, *, vocab_size: int | None = No
     fulls = _row_list(data, ("tokens", "full"))
     responses = _row_list(data, ("tokens", "response"))
     prompt_prov = _row_list(data, ("compaction", "provenance"))
-    gen_lp = [[float(x) for x in t.tolist()] for t in data.get(("log_probs", "response"), as_list=True)] if ("log_probs", "response") in data.keys(True) else None
+    gen_lp = ([[float(x) for x in t.tolist()] for t in data.get(("log_probs", "response"), as_list=True)]
+              if ("log_probs", "response") in data.keys(True) else None)
     rollouts: "OrderedDict[int, list[int]]" = OrderedDict()
     for i, rid in enumerate(ids):
         rollouts.setdefault(int(rid), []).append(i)
@@ -77,7 +78,8 @@ def to_episodes(data: TensorDictBase, actor=None, *, vocab_size: int | None = No
     for rid, rows in rollouts.items():
         last = rows[-1]
         if not bool(_scalar(data, ("next", "done"), last)):
-            raise EpisodeValidationError(f"to_episodes: rollout {rid} is not complete (its last row is not done); collect whole trajectories")
+            raise EpisodeValidationError(f"to_episodes: rollout {rid} is not complete (its last row is not done); collect whole "
+                                         "trajectories")
         if any(b <= a for a, b in zip(rows, rows[1:])) or [segs[i] for i in rows] != sorted(segs[i] for i in rows):
             raise EpisodeValidationError(f"to_episodes: rollout {rid}'s rows are not in time order")
         by_segment: "OrderedDict[int, list[int]]" = OrderedDict()
@@ -99,15 +101,18 @@ def to_episodes(data: TensorDictBase, actor=None, *, vocab_size: int | None = No
                 if tokens[: len(full)] != full:
                     raise EpisodeValidationError(
                         f"to_episodes: rollout {rid} segment {s}: policy call {i} is not a prefix of the segment's last call "
-                        "(the prompt was re-tokenised: run the wrapper with prefer_tokens=True and let CompactionTransform own ('tokens', 'prompt'))"
+                        "(the prompt was re-tokenised: run the wrapper with prefer_tokens=True and let CompactionTransform own ('tokens', "
+                        "'prompt'))"
                     )
                 start = len(full) - len(resp)
                 if any(p != sampled for p in prov[start: len(full)]):
-                    raise EpisodeValidationError(f"to_episodes: rollout {rid} segment {s}: call {i}'s response is not tagged as sampled in the segment's provenance")
+                    raise EpisodeValidationError(f"to_episodes: rollout {rid} segment {s}: call {i}'s response is not tagged as sampled in "
+                                                 "the segment's provenance")
                 if gen_lp is not None:
                     logp[start: len(full)] = gen_lp[i][: len(resp)]
             if len(prov) != len(tokens):
-                raise EpisodeValidationError(f"to_episodes: rollout {rid} segment {s}: {len(prov)} provenance entries for {len(tokens)} tokens")
+                raise EpisodeValidationError(f"to_episodes: rollout {rid} segment {s}: {len(prov)} provenance entries for {len(tokens)} "
+                                             "tokens")
             seg = Segment(kind)
             seg.extend(tokens, prov, logp)
             segments.append(seg)

@@ -106,7 +106,8 @@ class CompactionTransform(Compose):
                 f"the context C={compaction.context_capacity}; raise T_comp or lower the generation limit"
             )
         if rollout_id_stride < 1 or first_rollout_id < 0:
-            raise ValueError(f"rollout ids: first_rollout_id={first_rollout_id} must be >= 0 and rollout_id_stride={rollout_id_stride} >= 1")
+            raise ValueError(f"rollout ids: first_rollout_id={first_rollout_id} must be >= 0 and "
+                             f"rollout_id_stride={rollout_id_stride} >= 1")
         pad = tokenizer.pad_token_id
         if pad is None or pad == tokenizer.eos_token_id:
             raise ConfigError(
@@ -193,7 +194,8 @@ class CompactionTransform(Compose):
         ids, prov = self._pieces(messages, prov)
         C, T = self.config.context_capacity, self.config.min_remaining
         if C - len(ids) < T:
-            raise ConfigError(f"the task prompt is {len(ids)} tokens; C - {len(ids)} < T_comp = {T}: shorten the task or raise context_capacity")
+            raise ConfigError(f"the task prompt is {len(ids)} tokens; C - {len(ids)} < T_comp = {T}: shorten the task or raise "
+                              "context_capacity")
         rid, self._next_id = self._next_id, self._next_id + self._stride
         tensordict_reset.set("truncated", torch.zeros_like(tensordict_reset.get("done")))
         self._write_state(tensordict_reset, ids, prov, rollout_id=rid, segment=0, phase=0, n_compactions=0, n_steps=0)
@@ -212,14 +214,16 @@ class CompactionTransform(Compose):
             next_tensordict.set("truncated", torch.zeros_like(next_tensordict.get("done")))
         response = [int(t) for t in tensordict.get(("tokens", "response"), as_list=True)[0].tolist()]
         if not response:
-            raise ValueError("the policy returned no tokens; CompactionTransform needs the sampled ids (TorchRL wrapper with prefer_tokens=True)")
+            raise ValueError("the policy returned no tokens; CompactionTransform needs the sampled ids (TorchRL wrapper with "
+                             "prefer_tokens=True)")
         if len(response) > self.max_new_tokens:  # T_comp >= max_new_tokens is what keeps every call inside C
             raise ValueError(
                 f"the policy generated {len(response)} tokens > this transform's max_new_tokens={self.max_new_tokens}: the wrapper "
                 "and the transform must share one limit (generate_kwargs=SamplingSpec.generate_kwargs(max_new_tokens), crl/sampling.py)")
         full = [int(t) for t in tensordict.get(("tokens", "full"), as_list=True)[0].tolist()]
         prompt_prov = tensordict.get((_C, "provenance"))[0].tolist()
-        if full[: len(prompt_prov)] != tensordict.get(("tokens", "prompt"), as_list=True)[0].tolist() or len(full) != len(prompt_prov) + len(response):
+        if full[: len(prompt_prov)] != tensordict.get(("tokens", "prompt"),
+                                                      as_list=True)[0].tolist() or len(full) != len(prompt_prov) + len(response):
             raise ValueError(
                 "('tokens', 'full') is not the prompt this transform wrote plus the response: run the wrapper with prefer_tokens=True "
                 "and do not combine CompactionTransform with IncrementalTokenizer"
@@ -323,11 +327,13 @@ class CompactionTransform(Compose):
         add(before, Provenance.SYSTEM)
         turn = self._render(messages[: i_resume + 1], False)
         if not turn.startswith(before):
-            raise ValueError("the chat template is not prefix-stable at the resume turn; crl needs a template that renders each turn once (e.g. ChatML)")
+            raise ValueError("the chat template is not prefix-stable at the resume turn; crl needs a template that renders each turn once "
+                             "(e.g. ChatML)")
         turn = turn[len(before):]
         at = turn.find(self.resume_prefix + summary)
         if at < 0:
-            raise ValueError("the chat template altered the resume turn's text; crl needs a template that renders message contents verbatim")
+            raise ValueError("the chat template altered the resume turn's text; crl needs a template that renders message contents "
+                             "verbatim")
         cut = at + len(self.resume_prefix)
         add(turn[:cut], Provenance.RESUME_TEMPLATE)
         add(summary, Provenance.COPIED_SUMMARY)

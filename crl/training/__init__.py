@@ -6,7 +6,8 @@
 * :mod:`crl.training.sampler` — :class:`Sampler`: the generation backends, the weight sync and ``policy_version``
   (the backend branch lives here);
 * :mod:`crl.training.update` — :class:`PPOUpdate`: estimator, losses, micro-batches and optimizer steps;
-* :mod:`crl.training.checkpoints` — what a checkpoint holds and its model files; :class:`RunCheckpoints`: resume, checkpoints, evidence, rotation;
+* :mod:`crl.training.checkpoints` — what a checkpoint holds and its model files; :class:`RunCheckpoints`: resume, checkpoints, evidence,
+  rotation;
 * :func:`crl.warm_start.warm_start_policy` — the warm start on one rank or all;
 * :mod:`crl.streams` — the one place rollout ids and sampler seeds are computed.
 """

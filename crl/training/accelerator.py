@@ -24,7 +24,8 @@ import torch
 from crl.config import Config, ConfigValidationError
 from crl.objectives.distributed import all_reduce_sum, dist_ready
 
-__all__ = ["make_accelerator", "check_elastic_store", "deepspeed_stage", "process_ranks", "reduce_stats", "mean_over_ranks", "mean_scalar_over_ranks",
+__all__ = ["make_accelerator", "check_elastic_store", "deepspeed_stage", "process_ranks", "reduce_stats", "mean_over_ranks",
+           "mean_scalar_over_ranks",
            "max_min_over_ranks", "barrier", "peak_memory_mb", "optimizer_layout"]
 
 

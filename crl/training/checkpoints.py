@@ -53,7 +53,8 @@ from crl.io import as_write_error, atomic_torch_save, atomic_write_json, atomic_
 from crl.provenance import preset_fingerprint
 from crl.run_dir import RunDirError, config_diff, file_manifest, newest_intact_checkpoint, pinned_checkpoints, verify_checkpoint
 
-__all__ = ["RunCheckpoints", "read_by_rank", "POLICY_DIR", "FROZEN_POLICY_DIR", "CRITIC_FILE", "OPTIMIZER_DIR", "WEIGHTS_FILE", "save_model_dir",
+__all__ = ["RunCheckpoints", "read_by_rank", "POLICY_DIR", "FROZEN_POLICY_DIR", "CRITIC_FILE", "OPTIMIZER_DIR", "WEIGHTS_FILE",
+           "save_model_dir",
            "save_weights", "load_weights_", "optimizer_file"]
 
 POLICY_DIR = "policy"
@@ -278,8 +279,8 @@ class RunCheckpoints:
                               "version, or start a new run_dir from its weights")
         saved = meta.get("optimizer", "torch")
         if saved != layout:
-            raise RunDirError(f"checkpoint {checkpoint} holds a {saved} optimizer state and this run uses {layout}; relaunch it the way it was "
-                              f"launched, or start a new run_dir with model.preset={checkpoint / POLICY_DIR}")
+            raise RunDirError(f"checkpoint {checkpoint} holds a {saved} optimizer state and this run uses {layout}; relaunch it the way it "
+                              f"was launched, or start a new run_dir with model.preset={checkpoint / POLICY_DIR}")
         was = int(meta["world_size"])
         if was != self.world and layout != "torch":
             raise RunDirError(f"checkpoint {checkpoint} was written by {was} processes and this run has {self.world}: DeepSpeed ZeRO "
@@ -379,7 +380,8 @@ class RunCheckpoints:
                 every = [[x] for x in mine]
             if self.is_main:
                 atomic_torch_save(tmp / "trainer_state.pt", {"iteration": iteration, "stage": state["stage"], "collectors": every[1],
-                                                             "generators": every[0], "rng": every[2], "policy_version": state["policy_version"]})
+                                                             "generators": every[0], "rng": every[2],
+                                                             "policy_version": state["policy_version"]})
             accelerator.wait_for_everyone()  # every rank's optimizer partition is on disk before the manifest is taken
             if self.is_main:
                 atomic_write_json(tmp / "meta.json", {"iteration": iteration, "stage": state["stage"], "world_size": self.world,

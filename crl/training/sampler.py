@@ -55,7 +55,8 @@ class Sampler:
         else:
             from crl.modules.vllm_backend import EngineSettings, remove_stale_weights_dirs, weight_bytes, weights_dir
 
-            self.backend = make_backend("vllm", model_path=cfg.model.preset, seed=policy_seed, settings=EngineSettings.from_config(cfg), local_rank=local_rank)
+            self.backend = make_backend("vllm", model_path=cfg.model.preset, seed=policy_seed, settings=EngineSettings.from_config(cfg),
+                                        local_rank=local_rank)
             size = weight_bytes(models.lm)
             self.weights_dir = weights_dir(run_dir, cfg.vllm.weights_dir, need_bytes=size)
             if local_rank == 0:  # one line per machine: where its syncs go (RAM, local to the machine)
@@ -71,7 +72,8 @@ class Sampler:
         """Give the policy's backend the learner's current weights, as version ``version``.
 
         The transformers backend samples from the learner's own module (ZeRO-3: through the partitioned engine), so
-        only its version moves, or with LoRA from the merged copy, recomputed here from the adapters; a vLLM engine per rank reloads the weights written by
+        only its version moves, or with LoRA from the merged copy, recomputed here from the adapters; a vLLM engine per rank reloads the
+        weights written by
         :func:`crl.modules.vllm_backend.export_weights` (one module at a time, gathered under ZeRO-3; local rank 0 of
         each machine writes, every engine there reads). The version moves only when every worker of the engine (all
         its tensor-parallel workers) applied every tensor the learner exported and left no parameter with its old
@@ -119,7 +121,8 @@ class Sampler:
         return self.backend.fork(policy_seed), (self.frozen_backend.fork(frozen_seed) if self.frozen_backend is not None else None)
 
     def state_dict(self) -> dict:
-        return {"policy": self.backend.generator.get_state(), "frozen": self.frozen_backend.generator.get_state() if self.frozen_backend else None}
+        return {"policy": self.backend.generator.get_state(), "frozen": self.frozen_backend.generator.get_state() if self.frozen_backend
+                else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.backend.generator.set_state(state["policy"])

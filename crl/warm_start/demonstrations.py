@@ -185,7 +185,8 @@ def nll_loss(actor_module, batch: TensorDict, balance: bool = False, count: torc
 
 
 def micro_batches_of(batch: TensorDict, n: int) -> list[TensorDict]:
-    """The keys :func:`nll_loss` reads of ``batch``'s rows in ``min(n, rows)`` micro-batches of similar length (rows sorted by length, then split), each cut
+    """The keys :func:`nll_loss` reads of ``batch``'s rows in ``min(n, rows)`` micro-batches of similar length (rows sorted by length, then
+    split), each cut
     to its longest row. Exact: rows are right-padded and the model is causal, so the cut positions change no kept
     position's log-probability; a micro-batch holds whole rows, so the per-row terms of :func:`nll_loss` are unchanged.
     Why: the warm start's forward over a whole batch keeps every layer's activations and the ``[B, T, vocab]`` logits
@@ -300,7 +301,8 @@ def warm_start(
         raise ValueError("a warm start through optimizer_step (DeepSpeed ZeRO-3) is neither checkpointed nor resumed")
     stages = list(stages)
     engines = [  # per stage: compaction-free demonstrations first (reading a visible fact is the easier skill)
-        [CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id, prompt_format=prompt_format),
+        [CompactionEngine(dataclasses.replace(compaction, max_compactions=0, forced_steps=()), encode, eos_id=eos_id,
+                          prompt_format=prompt_format),
          CompactionEngine(compaction, encode, eos_id=eos_id, prompt_format=prompt_format)]
         for _, compaction in stages
     ]
@@ -373,7 +375,8 @@ def warm_start(
         raise WarmStartError(
             f"the warm start did not teach reading: after {steps} steps (warm_start.steps) the answer probe is "
             f"{final['warm_start/answer_p_train']:.3f} < warm_start.stop_answer_p={stop_answer_p} (chance: 1/answers), so RL could not "
-            f"credit a summary; raise warm_start.steps, or change warm_start.lr (now {lr}) / warm_start.batch_episodes, or try another train.seed")
+            f"credit a summary; raise warm_start.steps, or change warm_start.lr (now {lr}) / warm_start.batch_episodes, or try another "
+            "train.seed")
     return float(loss.detach())
 
 
@@ -394,7 +397,8 @@ def cache_key(inputs: dict, model: torch.nn.Module) -> tuple[str, dict]:
     KEY: the first 20 hex digits of the SHA-256 of ``keyed`` as sorted JSON."""
     param = next(model.parameters())
     device = param.device.type
-    keyed = {**inputs, "code": crl_source_hash(), "torch": torch.__version__, "libraries": {name: _installed(name) for name in ("transformers", "peft")},
+    keyed = {**inputs, "code": crl_source_hash(), "torch": torch.__version__,
+             "libraries": {name: _installed(name) for name in ("transformers", "peft")},
              "kernels": torch.backends.cpu.get_cpu_capability(),
              "precision": {"dtype": str(param.dtype), "device": device,
                            "autocast": str(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None}}
@@ -417,8 +421,8 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
     The ablation arms of one seed share everything the warm start reads (model, task, compaction, prompt,
     warm-start settings, seed) and differ only in what happens after it, so a study computes each seed's warm
     start once. The entry ``cache_dir/KEY`` (KEY: :func:`cache_key`, of ``inputs``, the code, library versions, precision
-    and kernel path) holds ``inputs.json`` (what the key stands for), ``state.pt`` (the weights, the last NLL and the torch CPU RNG state after the warm
-    start) and ``log.json`` (the ``(metrics, step)`` lines it logged). A hit loads the weights, restores the RNG
+    and kernel path) holds ``inputs.json`` (what the key stands for), ``state.pt`` (the weights, the last NLL and the torch CPU RNG state
+    after the warm start) and ``log.json`` (the ``(metrics, step)`` lines it logged). A hit loads the weights, restores the RNG
     state and replays the lines into ``log``, so the run continues bit-identically to one that computed it
     (tests/test_trainer.py). The entry is written atomically; an ``flock`` on ``cache_dir/KEY.lock`` makes a
     concurrent run with the same key wait for the first instead of computing it too. Returns the last NLL.
@@ -446,7 +450,8 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
             for metrics, step in json.loads((entry / "log.json").read_text()):
                 log(metrics, step)
             if report is not None:
-                report(f"warm start: reused the failed one of {entry} (same model, task, warm-start settings, seed, code, libraries, precision and kernels)")
+                report(f"warm start: reused the failed one of {entry} (same model, task, warm-start settings, seed, code, libraries, "
+                       "precision and kernels)")
             raise WarmStartError((entry / "error.txt").read_text())
         if (entry / "state.pt").is_file() and (entry / "log.json").is_file():
             device = next(model.parameters()).device

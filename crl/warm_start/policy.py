@@ -20,7 +20,8 @@ from crl.warm_start.demonstrations import WarmStartError, warm_start, warm_start
 __all__ = ["warm_start_policy"]
 
 
-def warm_start_policy(cfg: Config, lm, codec, prompt_format, stages: list, log, *, ds_config: dict | None, rank: int, world: int, device) -> float:
+def warm_start_policy(cfg: Config, lm, codec, prompt_format, stages: list, log, *, ds_config: dict | None, rank: int, world: int,
+                      device) -> float:
     """Supervised protocol/format warm start of the policy ``lm`` (:func:`crl.warm_start.warm_start`) on the
     demonstrations of every curriculum stage in ``stages``; ``log(metrics, step)`` gets its lines. Returns the last NLL.
 
@@ -37,7 +38,8 @@ def warm_start_policy(cfg: Config, lm, codec, prompt_format, stages: list, log, 
     as if it had computed it itself.
     """
     stage3 = deepspeed_stage(ds_config) == 3
-    here = lambda: _warm_start_here(cfg, lm, codec, prompt_format, stages, log, ds_config if stage3 else None, rank, world, device)  # noqa: E731
+    # noqa: E731
+    here = lambda: _warm_start_here(cfg, lm, codec, prompt_format, stages, log, ds_config if stage3 else None, rank, world, device)
     if stage3 or world == 1:
         return here()
     waiting = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
@@ -64,7 +66,8 @@ def warm_start_policy(cfg: Config, lm, codec, prompt_format, stages: list, log, 
     return box[0]
 
 
-def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, zero3_config: dict | None, rank: int, world: int, device) -> float:
+def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, zero3_config: dict | None, rank: int, world: int,
+                     device) -> float:
     """The warm start computed by this process (every rank under ZeRO-3, rank 0 otherwise)."""
     w = cfg.warm_start
 
@@ -91,9 +94,11 @@ def _warm_start_here(cfg: Config, lm, codec, prompt_format, stages: list, log, z
             return warm_start(
                 TensorDictModule(engine if engine is not None else net, list(MODEL_IN_KEYS), ["log_prob", "entropy"]),
                 [(suite, build_compaction_config(cfg, suite)) for suite in suites],
-                codec.encode, codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed, micro_batches=w.micro_batches,
+                codec.encode, codec.eos_id, steps=w.steps, batch_episodes=w.batch_episodes, lr=w.lr, seed=cfg.train.seed,
+                micro_batches=w.micro_batches,
                 summary_content=w.summary_content, format_draws=w.format_draws, log=log, progress=rank == 0 and cfg.logging.progress,
-                device=device if zero3_config is not None else next(lm.parameters()).device, prompt_format=prompt_format, optimizer_step=step,
+                device=device if zero3_config is not None else next(lm.parameters()).device, prompt_format=prompt_format,
+                optimizer_step=step,
                 stop_answer_p=w.stop_answer_p, probe_every=w.probe_every, probe_tasks=w.probe_tasks,
                 agree=(lambda x: mean_scalar_over_ranks(x, world, device)) if zero3_config is not None else None,
                 checkpoint=checkpoint, resume=resume,
