@@ -3,7 +3,7 @@
 summaries (``sft``) and after rejection-sampling fine-tuning on its own successful summaries (``rft``), each with the
 episode count an RL run sees; dev holds as it goes, test holds at the end; JSON + PNG.
 
-    python scripts/capacity.py --config configs/lm_keep2/joint.yaml --episodes 2048 --out docs/results/lm_keep_capacity.json \
+    python scripts/capacity.py --config configs/lm_keep2/joint.yaml --episodes 2048 --out OUT.json \
         [--references sft rft] [--lr 2e-4] [--batch-size 32] [--set KEY=VALUE ...]
 
 Each reference trains in its own run directory (``--runs``/NAME): the config's warm start (its cache shared through
