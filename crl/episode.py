@@ -276,7 +276,7 @@ def validate_episodes(td: TensorDict, complete: bool = True, vocab_size: int | N
     from the provenance, and an optimized token in every segment of a non-failed rollout unless its summary is
     frozen.
 
-    Also (issue 10): a batch of 0 segments is refused (``empty-batch``); every key has the dtype of
+    Also: a batch of 0 segments is refused (``empty-batch``); every key has the dtype of
     :data:`CONTRACT_DTYPES` (``dtype``: int64 ids and tokens, float32 reward / log-probs / training tensors, bool
     masks); token ids are ``>= 0`` and, when ``vocab_size`` is given, ``< vocab_size`` (``token-range``);
     ``rollout_id`` and ``segment_index`` are ``>= 0`` (``rollout-id``, ``segment-index``).

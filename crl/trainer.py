@@ -194,7 +194,7 @@ class Trainer:
         """Play one batch of training episodes with the current weights; ``self.last_episode_stats`` = counts over all ranks.
 
         Sampling runs under the learner's autocast (``train.precision``): with bf16 mixed precision the sampler's
-        forwards are the learner's bf16 forwards, so the first update's ratio is 1 (issue 27 defect 2)."""
+        forwards are the learner's bf16 forwards, so the first update's ratio is 1."""
         self.models.actor_model.eval()
         with self.accelerator.autocast():
             rollout = self.collector.collect().to(self.device)

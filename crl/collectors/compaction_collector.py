@@ -360,8 +360,8 @@ class CompactionCollector(EpisodeStream):
 
         The call runs in a fresh *daemon* thread joined with the timeout. Why not a worker process: the
         environments are stateful Python objects the collector owns (``make_env`` / ``reset`` / ``step``), and
-        moving each into a killable process costs a process and two pickles per step; why not the former
-        ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so a hung step kept the process
+        moving each into a killable process costs a process and two pickles per step; why not a
+        ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so a hung step keeps the process
         alive (measured: 20.1 s to exit for a 20 s hang with a 1 s timeout; a daemon thread exits in 1.2 s).
         On timeout the thread is abandoned and asked to stop (:func:`_interrupt_thread`), so a step spinning in
         Python stops using the CPU; one blocked in C stays until the call returns, then ends.

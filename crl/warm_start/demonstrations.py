@@ -11,18 +11,18 @@ contain, which is what CompactionRL is meant to learn:
   is trained. A position whose token changes between independent format-only draws is *content* (``code 3``:
   ``code`` and ``<|end|>`` are format, the digit is content). ``summary_content`` says what the content gets:
   ``"random"``: the drawn token is trained (the content is random, so the summary learns to ignore the episode);
-  ``"untrained"``: nothing, it stays out of the loss (what the model writes there is left to chance: on the study's
-  seed 17 it closed the summary right after ``code``); ``"format"``: the likelihood that the position holds *one of*
+  ``"untrained"``: nothing, it stays out of the loss (what the model writes there is left to chance, down to
+  closing the summary right after ``code``); ``"format"``: the likelihood that the position holds *one of*
   the drawn tokens, ``log Σ_{a ∈ A} π(a)`` (``A`` = the four codes), so the summary always carries a code but which
   one is never trained — the choice among them keeps whatever the model does, and RL must make it the right one;
   ``"balanced"``: ``format`` plus a term that keeps the codes *balanced over the batch*, ``KL(u ‖ m)`` with ``u``
   uniform over ``A`` and ``m`` the batch mean of each slot's distribution within ``A`` — zero for a slot that is
   uniform, or that copies the fact, or that picks any code with equal frequency over episodes; large for a slot that
   writes the same code whatever the episode. Which code goes with which episode is still never trained. Why: with
-  ``format`` alone a seed's slot can start peaked on one or two codes (summary entropy 0.10 nats/token at RL's start
-  on seed 4 of the default task); a code the slot never writes is never tried by RL, and the run ended with one fact
-  always summarized as another. Not the default: on seed 0 the balanced slot stayed uniform and independent of the
-  fact for 100 RL iterations — a uniform slot gives RL no fact dependence to amplify (docs/robustness.md);
+  ``format`` alone a seed's slot can start peaked on one or two codes (summary entropy as low as 0.10 nats/token at
+  RL's start on the default task); a code the slot never writes is never tried by RL, so one fact can end up always
+  summarized as another. Not the default: the balanced slot can stay uniform and independent of the fact for 100 RL
+  iterations — a uniform slot gives RL no fact dependence to amplify (docs/robustness.md);
 * every other batch plays the same tasks without compaction, so the policy also learns to answer from an
   observation it can still see (a protocol skill, not a summary).
 
@@ -75,10 +75,11 @@ def draws_of_one_length(draw: Callable[[], list[int]], n: int) -> list[list[int]
 
     Format and content are told apart position by position, which needs draws of one length: on SmolLM2's tokenizer
     ``pink`` at the start of a summary is two tokens (``p`` ``ink``) where every other key is one, so a draw set holding
-    it used to leave every position but the stop token untrained — the summary's first token was never taught and the
-    warm-started model wrote ``next`` there. Draws of another length are set aside and more are drawn (at most
-    :data:`EXTRA_DRAWS`; then fewer than ``n`` are returned). When the first ``n`` draws share a length they are
-    returned as drawn, so the random stream of an aligned format (the memory chain's) is unchanged."""
+    it would leave every position but the stop token untrained — the summary's first token would never be taught and
+    the warm-started model could write anything there (``next``, say). Draws of another length are set aside and
+    more are drawn (at most :data:`EXTRA_DRAWS`; then fewer than ``n`` are returned). When the first ``n`` draws
+    share a length they are returned as drawn, so an aligned format (the memory chain's) uses the random stream
+    exactly as ``n`` plain draws do."""
     draws = [draw() for _ in range(n)]
     for _ in range(EXTRA_DRAWS):
         length = max(sorted({len(d) for d in draws}), key=lambda k: sum(len(d) == k for d in draws))
@@ -282,8 +283,9 @@ def warm_start(
     last stage with compaction, on the first ``probe_tasks`` *train* tasks (dev stays unseen; the final visible and
     summary probes play the first ``probe_tasks`` dev tasks), logged as ``warm_start/answer_p_train``;
     the warm start stops as soon as it reaches ``stop_answer_p`` (``steps`` is then the maximum). Why: reading is
-    learned in a sudden drop of the NLL (from ~0.08, the answer digit at chance, to ~0.003) that came after
-    ~420, ~520 and > 600 steps on the study's seeds 7, 17 and 29 at lr 1e-3 — a fixed step count fits one seed.
+    learned in a sudden drop of the NLL (from ~0.08, the answer digit at chance, to ~0.003) that comes after
+    a number of steps that differs from seed to seed by hundreds at lr 1e-3 (docs/lm_study.md) — a fixed step count
+    fits one seed.
     If the probe has not reached ``stop_answer_p`` after ``steps`` steps, :class:`WarmStartError` is raised (after
     the final log line, which holds the probe): RL on a policy that cannot read a correct summary cannot credit a
     summary either (crediting a summary needs an answer that depends on it), so the run must stop, not train.
@@ -429,7 +431,7 @@ def warm_start_cached(cache_dir: Path, inputs: dict, model: torch.nn.Module, com
 
     A warm start that ends in :class:`WarmStartError` (it did not teach reading) is cached too, as ``error.txt`` and
     ``log.json``: the other arms of that seed replay its lines and raise the same error at once instead of repeating
-    its whole step budget (the 24-step study's seed 41: 1500 steps, 17 minutes, per arm).
+    its whole step budget (up to ``warm_start.steps`` steps) in every arm.
 
     A warm start in progress checkpoints itself to ``cache_dir/KEY.partial.pt`` (its :func:`warm_start` state and the
     lines logged so far, written atomically every ``warm_start.probe_every`` steps); a run that finds one replays
