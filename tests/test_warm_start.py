@@ -383,6 +383,16 @@ def test_a_micro_batched_warm_start_takes_the_whole_batch_steps():
     assert max(float((weights[0][k] - moved[k]).abs().max()) for k in moved) > 1e-3  # 4 steps of 3e-3 moved the weights
 
 
+def test_a_batch_of_fewer_rows_than_micro_batches_is_refused():
+    """A batch that cannot make ``micro_batches`` chunks raises, naming both counts: a DeepSpeed engine steps after
+    that many backwards. An explicit check, so ``python -O`` keeps it."""
+    lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=512, eos_token_id=EOS_ID, seed=0)
+    actor = TensorDictModule(CausalLMLogProbs(lm), ["tokens", "attention_mask"], ["log_prob", "entropy"])
+    with pytest.raises(RuntimeError, match=r"into \d+ micro-batches, not warm_start.micro_batches=64: the two must agree"):
+        warm_start(actor, [(SUITE, CFG)], encode, EOS_ID, steps=1, batch_episodes=1, lr=3e-3, seed=0, micro_batches=64,
+                   summary_content="format", progress=False)
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["warm_start.batch_episodes=4", "warm_start.micro_batches=5"], "between 1 and warm_start.batch_episodes=4"),
     (["warm_start.micro_batches=0"], "between 1"),

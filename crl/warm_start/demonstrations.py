@@ -339,7 +339,12 @@ def warm_start(
         # every episode gives a row, so micro_batches <= batch_episodes (crl.config) makes exactly micro_batches chunks:
         # the number of backwards a DeepSpeed engine counts to a step
         chunks, count = ([batch], None) if micro_batches == 1 else (micro_batches_of(batch, micro_batches), optimized_count(batch))
-        assert len(chunks) == micro_batches, (len(chunks), micro_batches)
+        if len(chunks) != micro_batches:  # an explicit check, not an assert: it must hold under python -O too
+            raise RuntimeError(
+                f"the warm start split a batch of {batch.batch_size[0]} rows into {len(chunks)} micro-batches, not "
+                f"warm_start.micro_batches={micro_batches}: the two must agree, since a DeepSpeed engine steps after every "
+                f"{micro_batches} backwards (its gradient_accumulation_steps), so another count would step in the middle "
+                "of a batch or carry its gradients into the next step")
         if opt is not None:
             opt.zero_grad()
         loss = 0.0
