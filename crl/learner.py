@@ -171,7 +171,8 @@ def _covering_rows(tokens: Tensor, lengths: Tensor, rollout: Tensor, segment: Te
     return parent
 
 
-def _branch_covering(parent: Tensor, tokens: Tensor, lengths: Tensor, rollout: Tensor, segment: Tensor, group: Tensor, start: Tensor) -> Tensor:
+def _branch_covering(parent: Tensor, tokens: Tensor, lengths: Tensor, rollout: Tensor, segment: Tensor, group: Tensor,
+                     start: Tensor) -> Tensor:
     """``parent`` with every sibling's row below its group's ``branch_start`` pointed at the first sibling's row of the same
     segment, where their valid tokens are equal (compared: a row that differs keeps its own forward)."""
     below = segment < start
@@ -416,7 +417,8 @@ class PrefixSharedForward(TensorDictModuleBase):
         if need is not None:  # a forward row serves every segment row that reads it: the union of their needs
             need, src = need.bool(), plan.source.to(dev)
             readers = src >= 0
-            needed = torch.zeros(need.shape, dtype=torch.int32, device=dev).index_put_((src[readers],), need[readers].int(), accumulate=True) > 0
+            needed = torch.zeros(need.shape, dtype=torch.int32, device=dev).index_put_((src[readers],), need[readers].int(),
+                                                                                      accumulate=True) > 0
         bufs: list[list[Tensor]] = [[] for _ in self.out_keys]
         for (rows, length), P in zip(plan.chunks, plan.shared):
             r = rows.to(dev)
@@ -473,7 +475,8 @@ def split_microbatches(td: TensorDictBase, n: int, *, plan: ForwardPlan | None =
     their batch order inside a micro-batch. An empty micro-batch is one copied row with a zero loss mask (a real
     forward/backward contributing nothing), as DeepSpeed needs the same count on every rank.
     """
-    return [td[torch.tensor(rows, dtype=torch.long)] if rows else placeholder_row(td) for rows in microbatch_rows(td, n, plan=plan, **plan_kwargs)]
+    return [td[torch.tensor(rows, dtype=torch.long)] if rows else placeholder_row(td)
+            for rows in microbatch_rows(td, n, plan=plan, **plan_kwargs)]
 
 
 def microbatch_rows(td: TensorDictBase, n: int, *, plan: ForwardPlan | None = None, **plan_kwargs) -> list[list[int]]:

@@ -17,7 +17,8 @@ One iteration (``Trainer.fit`` reads top to bottom; every phase is a method you 
    ``policy_minibatches`` policy steps (fewer when ``algo.target_kl`` stops them); each optimizer step is normalised
    by the optimized-token count of the whole step over all ranks and micro-batches (Eq. 12);
    :meth:`Trainer.sync_policy_weights` — the sampler sees the updated weights;
-4. :meth:`Trainer.evaluate` (every ``eval.every`` iterations and the last), curriculum, the iteration's evidence and :meth:`Trainer.save_checkpoint`.
+4. :meth:`Trainer.evaluate` (every ``eval.every`` iterations and the last), curriculum, the iteration's evidence and
+   :meth:`Trainer.save_checkpoint`.
 
 Building a ``Trainer`` runs every model-dependent check (token budgets, context length vs the model's
 positions) *before* the run directory is written, then writes ``RUN_DIR/config.yaml``, builds the models,
@@ -81,13 +82,17 @@ class Trainer:
         self.device = self.accelerator.device  # every tensor the trainer makes lives here (models, batches, collectives)
         use_ds = self.ds_config is not None
         if deepspeed_stage(self.ds_config) == 3 and cfg.warm_start.cache_dir is not None:
-            raise ConfigValidationError("warm_start.cache_dir is not supported under DeepSpeed ZeRO-3 (partitioned weights); set it to null")
+            raise ConfigValidationError("warm_start.cache_dir is not supported under DeepSpeed ZeRO-3 (partitioned weights); "
+                                        "set it to null")
         if use_ds and cfg.algo.target_kl is not None:  # (accelerate's own DeepSpeed plugin, not deepspeed.config)
-            raise ConfigValidationError("algo.target_kl is not supported with DeepSpeed (its engine steps inside the accumulation loop): set it to null")
+            raise ConfigValidationError("algo.target_kl is not supported with DeepSpeed (its engine steps inside the accumulation loop): "
+                                        "set it to null")
         if use_ds and cfg.model.share_critic_backbone:
-            raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed (two engines cannot share parameters)")
+            raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed "
+                                        "(two engines cannot share parameters)")
         if cfg.model.backend == "vllm" and cfg.vllm.sleep_between_phases and not torch.cuda.is_available():
-            raise ConfigValidationError("vllm.sleep_between_phases needs a GPU: vLLM's sleep mode is not available on the CPU; set it to false")
+            raise ConfigValidationError("vllm.sleep_between_phases needs a GPU: vLLM's sleep mode is not available on the CPU; "
+                                        "set it to false")
         torch.set_num_threads(cfg.train.threads)
         self.run_dir = Path(cfg.run_dir)
 
@@ -157,9 +162,9 @@ class Trainer:
         """A collector of ``split`` on curriculum ``stage`` (None: the env's own task): training (sampled tasks) or
         evaluation (tasks in order, split across ranks); :func:`crl.builders.build_collector`. ``backend`` /
         ``frozen_backend``: the samplers (default: the training ones)."""
-        return build_collector(self.cfg, split, stage, backend or self.sampler.backend, self.codec, self.prompt_format, evaluation=evaluation,
-                               frozen_backend=frozen_backend or self.sampler.frozen_backend, rank=self.rank, world=self.world,
-                               progress=self.is_main and self.cfg.logging.progress)
+        return build_collector(self.cfg, split, stage, backend or self.sampler.backend, self.codec, self.prompt_format,
+                               evaluation=evaluation, frozen_backend=frozen_backend or self.sampler.frozen_backend,
+                               rank=self.rank, world=self.world, progress=self.is_main and self.cfg.logging.progress)
 
     def resume(self, checkpoint: Path) -> None:
         """Restore the policy, the critic, the optimizer states, curriculum stage, collector counters and sampler and
@@ -180,13 +185,15 @@ class Trainer:
             self.sampler.load_state_dict(state["generators"][self.rank])
             torch.set_rng_state(state["rng"][self.rank])
         else:
-            counters = {"episodes_started": resumed_episode_counter([c["episodes_started"] for c in state["collectors"]], self.world, self.cfg.train.group_size),
+            counters = {"episodes_started": resumed_episode_counter([c["episodes_started"] for c in state["collectors"]], self.world,
+                                                                    self.cfg.train.group_size),
                         "batches_yielded": max(int(c["batches_yielded"]) for c in state["collectors"])}
             self.sampler.restart_streams(state["iteration"], self.world)
         self.collector = self.make_collector("train", self.stages[self.stage])
         self.collector.load_state_dict(counters)
         if self.is_main:
-            extra = f" ({was} processes before, {self.world} now: fresh sampler streams, rollout ids continue past the earlier ones)" if was != self.world else ""
+            extra = (f" ({was} processes before, {self.world} now: fresh sampler streams, rollout ids continue past the earlier ones)"
+                     if was != self.world else "")
             print(f"resumed from {checkpoint} at iteration {self.start_iteration}{extra}")
 
     # ------------------------------------------------------------------------------------------ the loop's phases
@@ -389,7 +396,8 @@ class Trainer:
             if self.start_iteration == 0 and cfg.eval.every >= 0:
                 dev = self.evaluate()
                 holds = self.dev_summary_metrics()
-                self.logger.log({"dev/success": dev, **holds, "dev/success_stage": self.evaluate(stages[self.stage]) if len(stages) > 1 else dev,
+                self.logger.log({"dev/success": dev, **holds,
+                                 "dev/success_stage": self.evaluate(stages[self.stage]) if len(stages) > 1 else dev,
                                  "curriculum/stage": self.stage}, step=0)
             bar = tqdm(range(self.start_iteration, cfg.train.iterations), desc="train", initial=self.start_iteration,
                        total=cfg.train.iterations, disable=not (self.is_main and cfg.logging.progress))
@@ -404,9 +412,12 @@ class Trainer:
                 self.update_skipped = int(all_reduce_sum(torch.tensor(batch.batch_size[0], device=self.device))) == 0
                 if self.update_skipped:  # no trainable episode on any rank: nothing to learn from (and nothing to sync)
                     if self.is_main:
-                        why = ("failed (environment errors or timeouts; train.failed_episodes=drop)" if self.cfg.train.uniform_groups == "train"
-                               else "failed or are in groups whose rewards all agree (train.failed_episodes=drop, train.uniform_groups=drop)")
-                        tqdm.write(f"iteration {it + 1}: all {int(self.last_episode_stats['episodes'])} episodes {why}: no update this iteration")
+                        why = ("failed (environment errors or timeouts; train.failed_episodes=drop)"
+                               if self.cfg.train.uniform_groups == "train"
+                               else "failed or are in groups whose rewards all agree "
+                                    "(train.failed_episodes=drop, train.uniform_groups=drop)")
+                        tqdm.write(f"iteration {it + 1}: all {int(self.last_episode_stats['episodes'])} episodes {why}: "
+                                   "no update this iteration")
                 else:
                     self.learn(batch, it)
                 self.ppo.report.learner_s = time.perf_counter() - t_learn
@@ -420,8 +431,10 @@ class Trainer:
                         log["dev/success_stage"] = self.evaluate(stages[self.stage])
                 self.logger.log(log, step=it + 1)
                 bar.set_postfix(success=f"{log['train/success']:.2f}", dev=f"{log.get('dev/success', float('nan')):.2f}")
-                if self.advance_curriculum(log["train/success"]) and self.is_main:  # before the checkpoint: a resumed run continues in the new stage
-                    tqdm.write(f"iteration {it + 1}: train success {log['train/success']:.2f} -> curriculum stage {self.stage} ({self.stage_description()})")
+                # before the checkpoint: a resumed run continues in the new stage
+                if self.advance_curriculum(log["train/success"]) and self.is_main:
+                    tqdm.write(f"iteration {it + 1}: train success {log['train/success']:.2f} -> curriculum stage {self.stage} "
+                               f"({self.stage_description()})")
 
                 evidence_now = (it + 1) % cfg.checkpoint.evidence_every == 0 or last
                 if evidence_now or (it + 1) % cfg.checkpoint.every == 0:
@@ -452,7 +465,8 @@ class Trainer:
         if not dev:
             return None
         (first_it, first), (last_it, last) = dev[0], dev[-1]
-        line = f"verdict: dev success {first:.3f} (iteration {first_it}) -> {last:.3f} (iteration {last_it}) on {self.cfg.eval.episodes} episodes"
+        line = (f"verdict: dev success {first:.3f} (iteration {first_it}) -> {last:.3f} (iteration {last_it}) "
+                f"on {self.cfg.eval.episodes} episodes")
         chance = chance_success(self.cfg)
         if chance is None:
             return line + " (no chance level known for this environment)"

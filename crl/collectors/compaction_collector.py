@@ -58,7 +58,8 @@ def check_step_result(result) -> StepResult:
     if not isinstance(result, StepResult):
         raise EnvOutputError(f"step() returned {type(result).__name__} {_short(result)}; expected crl.envs.StepResult")
     if not isinstance(result.observation, str):
-        raise EnvOutputError(f"step() returned observation={_short(result.observation)} ({type(result.observation).__name__}); expected a str")
+        raise EnvOutputError(f"step() returned observation={_short(result.observation)} ({type(result.observation).__name__}); "
+                             "expected a str")
     if not (isinstance(result.done, bool) or (isinstance(result.done, numbers.Integral) and result.done in (0, 1))):
         raise EnvOutputError(f"step() returned done={_short(result.done)}; expected a bool")
     if isinstance(result.reward, bool) or not isinstance(result.reward, numbers.Real) or not math.isfinite(result.reward):
@@ -472,13 +473,15 @@ class CompactionCollector(EpisodeStream):
                 cache_keys=[ep.cache_key for ep, _ in rows],
             )
             frozen_gens = (
-                self.summary_backend.generate([ep.ctx.summary_request_ids for ep in frozen_rows], [ep.ctx.summary_budget for ep in frozen_rows], self.sampling,
-                                             cache_keys=[ep.cache_key for ep in frozen_rows])
+                self.summary_backend.generate([ep.ctx.summary_request_ids for ep in frozen_rows],
+                                              [ep.ctx.summary_budget for ep in frozen_rows], self.sampling,
+                                              cache_keys=[ep.cache_key for ep in frozen_rows])
                 if frozen_rows
                 else []
             )
             finished = []
-            summaries = [(ep, gen, True) for ep, gen in zip(frozen_rows, frozen_gens)] + [(ep, gen, False) for (ep, is_sum), gen in zip(rows, gens) if is_sum]
+            summaries = ([(ep, gen, True) for ep, gen in zip(frozen_rows, frozen_gens)]
+                         + [(ep, gen, False) for (ep, is_sum), gen in zip(rows, gens) if is_sum])
             for ep, gen, frozen in summaries:
                 ep.ctx.apply_summary(gen.token_ids, gen.log_probs, frozen=frozen)
                 generated["summary"] += len(gen.token_ids)
@@ -527,8 +530,9 @@ class CompactionCollector(EpisodeStream):
                 td["branch_start"] = torch.full((td.batch_size[0],), ep.branch_start, dtype=torch.int64)
             rows_td.append(td)
             self.last_episodes.append(
-                EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps, ep.ctx.n_compactions, len(segments), ep.info.get("error"),
-                               ep.summaries_judged, ep.summaries_holding, ep.last_summary_holds, ep.answer_position)
+                EpisodeSummary(ep.rollout_id, getattr(ep.task, "task_id", str(ep.task)), status, reward, ep.ctx.n_steps,
+                               ep.ctx.n_compactions, len(segments), ep.info.get("error"), ep.summaries_judged, ep.summaries_holding,
+                               ep.last_summary_holds, ep.answer_position)
             )
         batch = concat_episodes(rows_td)
         validate_episodes(batch)

@@ -53,7 +53,8 @@ class GenerationBackend(Protocol):
     policy_version: int
     generator: SamplerState
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingSpec, cache_keys=None) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], params: SamplingSpec,
+                 cache_keys=None) -> list[Generation]:
         """Sample one continuation per prompt, at most ``max_new_tokens[i]`` tokens for prompt ``i``.
 
         ``cache_keys`` (optional, one hashable per prompt, e.g. the episode id) lets a backend reuse the keys
@@ -161,7 +162,8 @@ class TransformersBackend:
             positions = torch.arange(cached, len(prompt) - 1, device=self.device).unsqueeze(0)
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_kw: past})
             cache = out[self._cache_kw]
-            layers = cache.layers if hasattr(cache, "layers") else [type("L", (), {"keys": k, "values": v}) for k, v in zip(cache.key_cache, cache.value_cache)]
+            layers = (cache.layers if hasattr(cache, "layers")
+                      else [type("L", (), {"keys": k, "values": v}) for k, v in zip(cache.key_cache, cache.value_cache)])
             self._prefix[key] = (list(prompt[:-1]), [(layer.keys[0].clone(), layer.values[0].clone()) for layer in layers])
 
     @torch.no_grad()
@@ -206,7 +208,8 @@ class TransformersBackend:
                 V = v_ref.new_zeros((n, v_ref.shape[0], cached_w, v_ref.shape[-1]))
                 for i, (k, r) in enumerate(zip(keys, reuse)):
                     if r:
-                        K[i, :, cached_w - r:], V[i, :, cached_w - r:] = self._prefix[k][1][layer][0][:, :r], self._prefix[k][1][layer][1][:, :r]
+                        K[i, :, cached_w - r:], V[i, :, cached_w - r:] = (self._prefix[k][1][layer][0][:, :r],
+                                                                          self._prefix[k][1][layer][1][:, :r])
                 past.update(K, V, layer)
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         out_tokens = torch.full((n, int(budgets.max())), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -235,7 +238,8 @@ class TransformersBackend:
             step_ids = token.unsqueeze(-1)
         if cache_keys is not None:  # keep each row's real tokens: the prompt and every generated token fed back
             full_mask = mask.bool()
-            layers = past.layers if hasattr(past, "layers") else [type("L", (), {"keys": k, "values": v}) for k, v in zip(past.key_cache, past.value_cache)]
+            layers = (past.layers if hasattr(past, "layers")
+                      else [type("L", (), {"keys": k, "values": v}) for k, v in zip(past.key_cache, past.value_cache)])
             for i, key in enumerate(keys):
                 real = full_mask[i, : layers[0].keys.shape[2]]
                 fed = list(prompts[i]) + out_tokens[i, : max(int(lengths[i]) - 1, 0)].tolist()

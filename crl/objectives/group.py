@@ -66,7 +66,8 @@ class GroupRelativeAdvantage(ValueEstimatorBase):
         k = self.tensor_keys
         for key in (k.loss_mask, k.reward, k.group_id, k.rollout_id):
             if tensordict.get(key, None) is None:
-                raise KeyError(f"GroupRelativeAdvantage: key {key!r} is missing; collect with train.group_size >= 2 (crl.collectors writes group_id)")
+                raise KeyError(f"GroupRelativeAdvantage: key {key!r} is missing; collect with train.group_size >= 2 "
+                               "(crl.collectors writes group_id)")
         mask = tensordict.get(k.loss_mask)
         adv = group_relative_advantage(tensordict.get(k.reward), tensordict.get(k.group_id), tensordict.get(k.rollout_id), mask,
                                        baseline=self.baseline, scale=self.scale)

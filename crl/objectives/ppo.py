@@ -316,7 +316,8 @@ class CompactionPPOLoss(LossModule):
                 out[f"loss_{name}"] = sums[f"sum_{name}"] * (coeff * scale)
         return TensorDict(out, batch_size=[])
 
-    def forward(self, tensordict: TensorDictBase, normalizer: LossNormalizer | None = None, outputs: TensorDictBase | None = None) -> TensorDictBase:
+    def forward(self, tensordict: TensorDictBase, normalizer: LossNormalizer | None = None,
+                outputs: TensorDictBase | None = None) -> TensorDictBase:
         """Losses and metrics of one micro-batch.
 
         Args:

@@ -39,7 +39,8 @@ def build_policy_lm(cfg: Config, codec, ds_config: dict | None):
     with zero3_init(ds_config) if deepspeed_stage(ds_config) == 3 else contextlib.nullcontext():
         lm = build_causal_lm(cfg.model.preset, vocab_size=codec.vocab_size, max_positions=C, eos_token_id=codec.eos_id, seed=cfg.train.seed)
     if getattr(lm.config, "max_position_embeddings", C) < C:
-        raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's max_position_embeddings={lm.config.max_position_embeddings}")
+        raise ConfigValidationError(f"compaction.context_capacity={C} exceeds the model's "
+                                    f"max_position_embeddings={lm.config.max_position_embeddings}")
     if cfg.model.lora.enabled:  # adapters on the pretrained weights (crl/modules/lora.py); the warm start trains them too
         try:
             lm = apply_lora(lm, cfg.model.lora)
@@ -62,12 +63,14 @@ class LearnerModels:
         self.shared_trunk = self.use_critic and cfg.model.share_critic_backbone
         t = cfg.train
         if self.shared_trunk:
-            actor_net = PolicyValueLM(lm, spec, head_init=cfg.model.value_head_init, seed=cfg.train.seed, detach_value_features=cfg.algo.separate_losses)
+            actor_net = PolicyValueLM(lm, spec, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
+                                      detach_value_features=cfg.algo.separate_losses)
             critic_net = None
             # one Adam, two learning rates: the policy's tensors at train.actor_lr, the value head at train.critic_lr
             heads = [p for p in actor_net.value_head.parameters()]
             rest = [p for p in actor_net.parameters() if all(p is not h for h in heads)]
-            actor_opt = torch.optim.Adam([{"params": rest, "lr": t.actor_lr, "role": "actor"}, {"params": heads, "lr": t.critic_lr, "role": "critic"}],
+            actor_opt = torch.optim.Adam([{"params": rest, "lr": t.actor_lr, "role": "actor"},
+                                          {"params": heads, "lr": t.critic_lr, "role": "critic"}],
                                          lr=t.actor_lr, weight_decay=t.weight_decay)
         else:
             actor_net = CausalLMLogProbs.from_spec(lm, spec)
@@ -80,7 +83,8 @@ class LearnerModels:
         self.frozen_lm = self._frozen_summariser() if cfg.algo.frozen_summary else None
         if cfg.algo.kl_to == "reference":  # the reference policy: the adapter as RL starts, frozen (saved with the policy's)
             FrozenAdapterLM(self.lm)
-        critic_opt = torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay) if critic_net is not None else None
+        critic_opt = (torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
+                      if critic_net is not None else None)
         self.critic_model = self.critic_opt = None
         if self.use_ds:  # two engines from one DeepSpeed JSON (docs/design.md §9)
             accelerator.state.select_deepspeed_plugin("actor")
@@ -89,7 +93,8 @@ class LearnerModels:
                 accelerator.state.select_deepspeed_plugin("critic")
                 self.critic_model, self.critic_opt = accelerator.prepare(critic_net, critic_opt)
         elif critic_net is not None:
-            self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = accelerator.prepare(actor_net, critic_net, actor_opt, critic_opt)
+            self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = accelerator.prepare(actor_net, critic_net,
+                                                                                                       actor_opt, critic_opt)
         else:
             self.actor_model, self.actor_opt = accelerator.prepare(actor_net, actor_opt)
         L = cfg.learner
@@ -133,7 +138,8 @@ class LearnerModels:
 
     def trained(self) -> list[tuple[str, object, object]]:
         """``[("actor", engine/module, optimizer), ("critic", ...)]``: the models with an optimizer."""
-        return [(name, m, opt) for name, m, opt in (("actor", self.actor_model, self.actor_opt), ("critic", self.critic_model, self.critic_opt))
+        return [(name, m, opt)
+                for name, m, opt in (("actor", self.actor_model, self.actor_opt), ("critic", self.critic_model, self.critic_opt))
                 if m is not None]
 
     def optimizer_layout(self) -> str:
@@ -169,10 +175,12 @@ class LearnerModels:
             ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm.get_base_model(), merged_state_dict(self.lm), tokenizer)
             save_adapter(self.lm, directory / ADAPTER_DIR)
         else:
-            ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()}, tokenizer)
+            ckpt_files.save_model_dir(directory / ckpt_files.POLICY_DIR, self.lm, {k.removeprefix("lm."): v for k, v in actor_sd.items()},
+                                      tokenizer)
         if critic_sd is not None:
             critic = self.accelerator.unwrap_model(self.critic_model) if self.critic_model is not None else None
-            if not self.shared_trunk and self.cfg.model.lora.enabled:  # a plain critic's names (what the audit loads), and the trained tensors to resume
+            # a plain critic's names (what the audit loads), and the trained tensors to resume
+            if not self.shared_trunk and self.cfg.model.lora.enabled:
                 critic_sd = merged_state_dict(critic)
                 ckpt_files.save_weights(trainable_state_dict(critic), directory / CRITIC_TRAINED_FILE)
             ckpt_files.save_weights(critic_sd, directory / ckpt_files.CRITIC_FILE)
@@ -210,7 +218,8 @@ class LearnerModels:
                 parts = [None] * world
                 parts[rank] = mine["zero"]
                 model.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
-                model.global_steps, model.global_samples, model.skipped_steps = mine["global_steps"], mine["global_samples"], mine["skipped_steps"]
+                model.global_steps, model.global_samples, model.skipped_steps = (mine["global_steps"], mine["global_samples"],
+                                                                                 mine["skipped_steps"])
             else:
                 opt.load_state_dict(torch.load(checkpoint / ckpt_files.optimizer_file(name, None), map_location="cpu", weights_only=True))
 
@@ -234,7 +243,8 @@ class LearnerModels:
             r, lines = failed[0]
             where = f" (rank {r}{f' and {len(failed) - 1} more' if len(failed) > 1 else ''})" if world > 1 else ""
             raise RunDirError(
-                f"model.preset={self.cfg.model.preset} is not the base model {checkpoint} was trained on{where}: with the checkpoint's adapter, "
+                f"model.preset={self.cfg.model.preset} is not the base model {checkpoint} was trained on{where}: "
+                "with the checkpoint's adapter, "
                 f"its merged weights differ from {ckpt_files.POLICY_DIR}/{ckpt_files.WEIGHTS_FILE} in {len(lines)} tensor(s), e.g. "
                 + "; ".join(lines[:2]) + ". The preset was re-imported or changed since, or is built otherwise (another transformers?): "
                 f"restore it, or start a new run_dir with model.preset={checkpoint / ckpt_files.POLICY_DIR} (the trained policy, merged)")

@@ -61,7 +61,8 @@ class LossMetrics:
         record: add the field)."""
         for key, val in step.items():
             if not hasattr(self, key):
-                raise ValueError(f"the loss module returned a metric {key!r} that crl.training.update.LossMetrics has no field for: add it there")
+                raise ValueError(f"the loss module returned a metric {key!r} that crl.training.update.LossMetrics has no field for: "
+                                 "add it there")
             getattr(self, key).append(float(val))
 
     def logged(self, prefix: str) -> dict[str, list[float]]:
@@ -152,12 +153,14 @@ class UpdateReport:
             if self.grad_norms[name]:
                 log[f"grad_norm/{name}"] = float(np.mean(self.grad_norms[name]))
         ent = self.behaviour_entropy or {}
-        sums = all_reduce_sum(torch.tensor([x for kind in ("execution", "summary") for x in ent.get(kind, (0.0, 0))], dtype=torch.float64, device=device))
+        sums = all_reduce_sum(torch.tensor([x for kind in ("execution", "summary") for x in ent.get(kind, (0.0, 0))],
+                                           dtype=torch.float64, device=device))
         for i, kind in enumerate(("execution", "summary")):
             if sums[2 * i + 1] > 0:  # no optimized token of the kind (frozen summaries, a skipped update): no value
                 log[f"policy/entropy_{kind}"] = float(sums[2 * i] / sums[2 * i + 1])
         if self.learner_s is not None:  # passes over the batch: values, entropies, critic steps, the policy's forwards
-            passes = int(not self.values_in_policy_step) + int(self.entropy_pass) + int(self.reference_pass) + self.critic_passes + self.policy_forwards
+            passes = (int(not self.values_in_policy_step) + int(self.entropy_pass) + int(self.reference_pass) + self.critic_passes
+                      + self.policy_forwards)
             log["perf/learner_tokens_per_s"] = passes * learner_tokens / max(self.learner_s, 1e-9)
         return log
 
@@ -182,10 +185,12 @@ class PPOUpdate:
         # the one network's one forward and backward; the critic loss alone serves the critic warm-up's steps
         joint = models.critic if models.shared_trunk else None
         self.policy_loss = CompactionPPOLoss(models.actor, joint, entropy_coeff=a.entropy_coef, kl_coeff=a.kl_coef, kl_to=a.kl_to,
-                                             critic_coeff=a.critic_coef, clip_value=a.clip_value if joint is not None else None, **ppo_kwargs)
+                                             critic_coeff=a.critic_coef, clip_value=a.clip_value if joint is not None else None,
+                                             **ppo_kwargs)
         # a shared trunk's critic steps (the warm-up) weigh the value loss as its policy steps do: critic/loss_critic means one thing
-        self.critic_loss = (CompactionPPOLoss(None, models.critic, clip_value=a.clip_value, critic_coeff=a.critic_coef if models.shared_trunk else 1.0,
-                                              **ppo_kwargs) if models.critic is not None else None)
+        self.critic_loss = (CompactionPPOLoss(None, models.critic, clip_value=a.clip_value,
+                                              critic_coeff=a.critic_coef if models.shared_trunk else 1.0, **ppo_kwargs)
+                            if models.critic is not None else None)
         self.rates = {"actor": cfg.train.actor_lr, "critic": cfg.train.critic_lr}  # the iteration's (set_learning_rates)
         self.last_step_kl = float("nan")
         self.reset_report()
@@ -218,8 +223,8 @@ class PPOUpdate:
         self.record_reference(batch)
         if in_policy_step:
             if not self.values_from_policy_step:
-                raise ValueError("advantages(in_policy_step=True) needs PPOUpdate.values_from_policy_step (a shared trunk, one policy step, "
-                                 "no whitening, the terminal boundary)")
+                raise ValueError("advantages(in_policy_step=True) needs PPOUpdate.values_from_policy_step (a shared trunk, "
+                                 "one policy step, no whitening, the terminal boundary)")
             for key in ("state_value", "advantage", "value_target"):
                 batch[key] = torch.zeros(batch["loss_mask"].shape, device=batch.device)
             self.report.values_in_policy_step = True
@@ -360,7 +365,8 @@ class PPOUpdate:
         units = batch["branch_group"] if "branch_group" in batch.keys() else batch["rollout_id"]
         ids = units.unique()
         order = torch.Generator().manual_seed(t.seed * 7919 + iteration)  # once per iteration: each epoch a new order
-        chunks = [chunk for _ in range(t.policy_epochs) for chunk in ids[torch.randperm(len(ids), generator=order)].tensor_split(t.policy_minibatches)]
+        chunks = [chunk for _ in range(t.policy_epochs)
+                  for chunk in ids[torch.randperm(len(ids), generator=order)].tensor_split(t.policy_minibatches)]
         steps, stopped, kls, before, mbs = 0, False, [], None, None
         for i, chunk in enumerate(chunks):
             mbs = self.split(batch[torch.isin(units, chunk)])
@@ -549,11 +555,14 @@ class PPOUpdate:
         if critic_metrics is not None and all("sum_ev_moments" in o.keys() for o in outs):
             # the value loss's moments over the step's micro-batches and ranks, pooled until the pass over the batch ends
             pooled = all_reduce_sum(torch.stack([torch.cat([o["sum_ev_moments"].to(torch.float64).cpu(),
-                                                            torch.tensor([float(o["num_tokens"])], dtype=torch.float64)]) for o in outs]).sum(0).to(self.device))
+                                                            torch.tensor([float(o["num_tokens"])], dtype=torch.float64)])
+                                                 for o in outs]).sum(0).to(self.device))
             self.ev_moments = pooled if self.ev_moments is None else self.ev_moments + pooled
-        if name == "actor" and report.behaviour_entropy is None and self.entropy_from_policy_loss and all("sum_entropy_summary" in o.keys() for o in outs):
+        if (name == "actor" and report.behaviour_entropy is None and self.entropy_from_policy_loss
+                and all("sum_entropy_summary" in o.keys() for o in outs)):
             # the iteration's first policy step: every row, forwarded with the weights that sampled it
-            report.behaviour_entropy = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs), sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
+            report.behaviour_entropy = {kind: [sum(float(o[f"sum_entropy_{kind}"]) for o in outs),
+                                               sum(int(o[f"num_tokens_{kind}"]) for o in outs)]
                                         for kind in ("execution", "summary")}
         return step
 
