@@ -212,7 +212,8 @@ class EpisodeContext:
         so the copy shares them: the twins' tokens are the same objects up to the fork and their own after it."""
         self._check_open()
         twin = copy.copy(self)
-        twin._prefix, twin._steps, twin._history, twin._closed = list(self._prefix), list(self._steps), list(self._history), list(self._closed)
+        twin._prefix, twin._steps, twin._history, twin._closed = (list(self._prefix), list(self._steps), list(self._history),
+                                                                  list(self._closed))
         twin.kept_recent = list(self.kept_recent)
         return twin
 
@@ -354,7 +355,8 @@ class EpisodeContext:
         replay = [_Piece(p.ids, Provenance.COPIED_ACTION) if p.provenance == Provenance.ACTION else p for p in self._pieces()]
         replay += [
             _Piece(self.engine.summary_instruction_ids, Provenance.SUMMARY_INSTRUCTION),
-            _Piece([int(t) for t in summary_ids], Provenance.FROZEN_SUMMARY if frozen else Provenance.SUMMARY, [float(x) for x in summary_log_probs]),
+            _Piece([int(t) for t in summary_ids], Provenance.FROZEN_SUMMARY if frozen else Provenance.SUMMARY,
+                   [float(x) for x in summary_log_probs]),
         ]
         return self._segment(SegmentKind.SUMMARY, replay)
 

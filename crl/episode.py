@@ -248,8 +248,8 @@ def _fail(rule: str, detail: str, rollout=None, segment=None) -> None:
 
 # The dtype of every contract key (README's table of the episode TensorDict; docs/design.md §3).
 CONTRACT_DTYPES = {
-    **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status", "policy_version", "group_id",
-                                    "branch_group", "branch_start")},
+    **{key: torch.int64 for key in ("rollout_id", "segment_index", "segment_kind", "n_after", "rollout_length", "status", "policy_version",
+                                    "group_id", "branch_group", "branch_start")},
     "reward": torch.float32,
     "tokens": torch.int64,
     "provenance": torch.int64,
@@ -407,19 +407,22 @@ def _validate_branch_groups(td: TensorDict) -> None:
         rows = (group == g).nonzero().squeeze(-1)
         starts = start[rows].unique()
         if len(starts) != 1 or int(starts[0]) < 1:
-            _fail("branch-prefix", f"branch group {g}: branch_start must be one value >= 1 for every sibling, got {starts.tolist()}", int(rid[rows[0]]))
+            _fail("branch-prefix", f"branch group {g}: branch_start must be one value >= 1 for every sibling, got {starts.tolist()}",
+                  int(rid[rows[0]]))
         prefix = rows[seg[rows] < starts[0]]
         first = int(rid[prefix].min()) if prefix.numel() else None
         for i in range(int(starts[0])):
             at = prefix[seg[prefix] == i]
             ref = at[rid[at] == first]
             if ref.numel() != 1:
-                _fail("branch-prefix", f"branch group {g}: the first sibling has no segment {i} below branch_start {int(starts[0])}", first, i)
+                _fail("branch-prefix", f"branch group {g}: the first sibling has no segment {i} below branch_start {int(starts[0])}",
+                      first, i)
             for row in at.tolist():
                 for key in BRANCH_SHARED_KEYS:
                     if not torch.equal(td[key][row], td[key][int(ref)]):
-                        _fail("branch-prefix", f"branch group {g}: {key!r} of segment {i} differs from the first sibling's (rollout {first}); "
-                                               "rows below branch_start are the shared prefix", int(rid[row]), i)
+                        _fail("branch-prefix",
+                              f"branch group {g}: {key!r} of segment {i} differs from the first sibling's (rollout {first}); "
+                              "rows below branch_start are the shared prefix", int(rid[row]), i)
 
 
 def save_episodes(td: TensorDict, path: str | os.PathLike) -> None:

@@ -169,7 +169,8 @@ def check_branch_prefix(ev: Evidence):
                         problems.append(f"iter {it} {name} rollout {row.rid} segment {row.seg}: {d} differ from the first sibling "
                                         f"(rollout {first_rid}) below branch_start {start}")
     return not problems, {"branch_groups": groups, "rows_compared": compared, "problems": first(problems)}, (
-        "; ".join(first(problems, 3)) or f"{groups} branch groups: {compared} sibling rows equal to the first sibling's below the branch point")
+        "; ".join(first(problems, 3))
+        or f"{groups} branch groups: {compared} sibling rows equal to the first sibling's below the branch point")
 
 
 def check_siblings(ev: Evidence):

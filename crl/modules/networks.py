@@ -27,7 +27,8 @@ from crl.sampling import SamplingSpec, seeded_torch_rng
 from crl.modules.presets import PRESETS  # build_causal_lm's named architectures
 
 
-def build_causal_lm(model: str, vocab_size: int, max_positions: int, *, pad_token_id: int = 0, eos_token_id: int | None = None, seed: int = 0, attn_implementation: str = "sdpa"):
+def build_causal_lm(model: str, vocab_size: int, max_positions: int, *, pad_token_id: int = 0, eos_token_id: int | None = None,
+                    seed: int = 0, attn_implementation: str = "sdpa"):
     """A causal LM from a preset name (built from config, seeded) or a local checkpoint directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -87,7 +88,8 @@ def trunk_hidden(decoder: nn.Module, tokens: torch.Tensor, attention_mask: torch
     head = decoder(input_ids=tokens[:1, :P], attention_mask=mask[:1, :P], position_ids=_position_ids(mask[:1, :P]), use_cache=True,
                    past_key_values=DynamicCache())
     cache = head.past_key_values
-    layers = cache.layers if hasattr(cache, "layers") else [type("L", (), {"keys": k, "values": v}) for k, v in zip(cache.key_cache, cache.value_cache)]
+    layers = (cache.layers if hasattr(cache, "layers")
+              else [type("L", (), {"keys": k, "values": v}) for k, v in zip(cache.key_cache, cache.value_cache)])
     shared = DynamicCache()
     for i, layer in enumerate(layers):
         shared.update(layer.keys.expand(B, *layer.keys.shape[1:]), layer.values.expand(B, *layer.values.shape[1:]), i)
@@ -215,7 +217,8 @@ class CausalLMLogProbs(nn.Module):
         alt = alternatives[rows, cols]
         picked = logp.gather(-1, alt.clamp_min(0)).masked_fill(alt < 0, float("-inf"))
         log_prob_set = torch.zeros_like(log_prob).index_put((rows, cols), picked.logsumexp(-1))
-        per_alternative = torch.full(alternatives.shape, float("-inf"), dtype=picked.dtype, device=picked.device).index_put((rows, cols), picked)
+        per_alternative = torch.full(alternatives.shape, float("-inf"), dtype=picked.dtype,
+                                     device=picked.device).index_put((rows, cols), picked)
         return log_prob * keep, entropy * keep, log_prob_set, per_alternative
 
 
@@ -347,8 +350,8 @@ class PolicyValueLM(CausalLMLogProbs):
         self.value_head = value_head(lm.config.hidden_size, head_init, seed)
         self.detach_value_features = detach_value_features
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None, needed: torch.Tensor | None = None,
-                shared_prefix: int = 0):
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, *, lm_kwargs: dict | None = None,
+                needed: torch.Tensor | None = None, shared_prefix: int = 0):
         if lm_kwargs is not None:  # generation through this module
             return self.lm(input_ids=tokens, attention_mask=attention_mask, **lm_kwargs)
         attention_mask = attention_mask.long()

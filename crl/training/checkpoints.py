@@ -406,7 +406,8 @@ class RunCheckpoints:
         meta = {
             "estimator": ({"name": "gae", "gamma": a.gamma, "alpha": a.alpha, "lmbda": a.lmbda, "lambda_length": a.lambda_length,
                            "cross_trajectory": a.cross_trajectory, "value_target": a.value_target,
-                           "boundary": a.boundary, "whiten": a.whiten_advantage, "sibling_value_weight": a.sibling_value_weight} if use_critic else
+                           "boundary": a.boundary, "whiten": a.whiten_advantage, "sibling_value_weight": a.sibling_value_weight}
+                          if use_critic else
                           {"name": "group", "group_baseline": a.group_baseline, "group_scale": a.group_scale}),
             "world_size": self.world,
             "checkpoint": str(checkpoint_dir(self.run_dir, iteration).relative_to(self.run_dir)),
