@@ -220,7 +220,8 @@ class TrainConfig:
     # a hung or unreachable machine ends the run on the others after this, with the checkpoint to resume from
     # (scripts/train.py, docs/cluster.md). The warm start's wait has a group of its own (it may take longer).
     dist_timeout_s: float = 1800.0
-    precision: str = "auto"  # auto: bf16 mixed precision on CUDA, fp32 on CPU | fp32 | bf16 (autocast; also on a CPU, slow without bf16 units)
+    # auto: bf16 mixed precision on CUDA, fp32 on CPU | fp32 | bf16 (autocast; also on a CPU, slow without bf16 units)
+    precision: str = "auto"
     # episodes that FAILED (an environment exception or step timeout: the infrastructure, not the policy): drop them
     # from the learner (counted as episode/failed, kept in the evidence) | train them with reward 0
     failed_episodes: str = "drop"
@@ -237,7 +238,8 @@ class WarmStartConfig:
     # configs/lm_keep: ~12 rows of ~450 tokens peak at 11-17 GB in one pass). <= batch_episodes; 1 with summary_content=balanced
     micro_batches: int = 1
     lr: float = 3e-3
-    summary_content: str = "random"  # random | untrained | format | balanced (see crl/warm_start/demonstrations.py): never the correct content
+    # random | untrained | format | balanced (see crl/warm_start/demonstrations.py): never the correct content
+    summary_content: str = "random"
     # format-only summaries drawn per compaction point with format / balanced: a content position's set is what they
     # put there, and misses one of K alternatives with probability ~ K (1 - 1/K)^n: 4e-4 for 4 codes at 32, 1e-4
     # for 10 digits at 128 (the records task), 0.34 for 10 digits at 32
@@ -379,7 +381,8 @@ def _read_yaml(path: Path, seen: tuple = ()) -> DictConfig:
     except OmegaConfBaseException as err:
         raise ConfigValidationError(f"config file {path}: {str(err).splitlines()[0]}") from None
     if not isinstance(cfg, DictConfig):
-        raise ConfigValidationError(f"config file {path}: the top level must be a mapping of sections (model:, train:, ...), got a {type(cfg).__name__}")
+        raise ConfigValidationError(f"config file {path}: the top level must be a mapping of sections (model:, train:, ...), "
+                                    f"got a {type(cfg).__name__}")
     includes = cfg.pop("defaults", None) or []
     merged = OmegaConf.create()
     for inc in includes:
@@ -427,17 +430,24 @@ def _non_finite(obj, prefix: str = ""):
 def _check_torchrl_chat(cfg: Config) -> None:
     """What env.name=torchrl_chat (TorchRL's ChatEnv through crl.torchrl_llm) supports; the rest is refused here."""
     what = "env.name=torchrl_chat"
-    _need(cfg.model.backend == "transformers", "model.backend", f"{what} samples through TorchRL's TransformersWrapper: use transformers (vLLM is not wired to ChatEnv yet)")
-    _need(cfg.prompt.format == "chat", "prompt.format", f"{what} renders turns through the tokenizer's chat template: set prompt.format=chat")
-    _need(not cfg.warm_start.enabled, "warm_start.enabled", f"{what} has no oracle episodes to warm-start from: set warm_start.enabled=false")
+    _need(cfg.model.backend == "transformers", "model.backend",
+          f"{what} samples through TorchRL's TransformersWrapper: use transformers (vLLM is not wired to ChatEnv yet)")
+    _need(cfg.prompt.format == "chat", "prompt.format",
+          f"{what} renders turns through the tokenizer's chat template: set prompt.format=chat")
+    _need(not cfg.warm_start.enabled, "warm_start.enabled",
+          f"{what} has no oracle episodes to warm-start from: set warm_start.enabled=false")
     _need(not cfg.algo.frozen_summary, "algo.frozen_summary", f"{what} does not support the frozen-summary ablation yet")
     _need(not cfg.train.curriculum, "train.curriculum", f"{what} has no curriculum: remove train.curriculum")
-    _need(cfg.compaction.enabled, "compaction.enabled", f"{what} compacts through CompactionTransform: set compaction.enabled=true (max_compactions=0 disables it)")
+    _need(cfg.compaction.enabled, "compaction.enabled",
+          f"{what} compacts through CompactionTransform: set compaction.enabled=true (max_compactions=0 disables it)")
     _need(cfg.compaction.min_remaining >= cfg.model.max_action_tokens, "compaction.min_remaining",
-          f"{what}: T_comp={cfg.compaction.min_remaining} must be >= model.max_action_tokens={cfg.model.max_action_tokens} (one generation limit for every call)")
-    _need(not cfg.compaction.keep_task_prompt, "compaction.keep_task_prompt", f"{what}: the resume context is system + summary + tail (Eq. 9)")
+          f"{what}: T_comp={cfg.compaction.min_remaining} must be >= model.max_action_tokens={cfg.model.max_action_tokens} "
+          "(one generation limit for every call)")
+    _need(not cfg.compaction.keep_task_prompt, "compaction.keep_task_prompt",
+          f"{what}: the resume context is system + summary + tail (Eq. 9)")
     for key in ("task_template", "observation_template", "system"):
-        _need(getattr(cfg.prompt, key) is None, f"prompt.{key}", f"{what}: the ChatEnv suite writes the system prompt, task and observations; remove prompt.{key}")
+        _need(getattr(cfg.prompt, key) is None, f"prompt.{key}",
+              f"{what}: the ChatEnv suite writes the system prompt, task and observations; remove prompt.{key}")
     if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
         stage = json.loads(Path(cfg.deepspeed.config).read_text()).get("zero_optimization", {}).get("stage", 0)
         _need(stage != 3, "deepspeed.config", f"{what} samples with the full module: ZeRO-3 is not supported (use ZeRO-2 or none)")
@@ -462,20 +472,28 @@ def validate(cfg: Config) -> None:
         _need(getattr(e, key) >= 1, f"env.{key}", f"must be >= 1, got {getattr(e, key)}")
     _need(e.extra_steps >= 0, "env.extra_steps", f"must be >= 0, got {e.extra_steps}")
     _need(2 <= e.n_values <= 10, "env.n_values", f"must be in [2, 10] (one-digit values), got {e.n_values}")
-    _need(0 <= e.question_not_in_last < e.n_records, "env.question_not_in_last", f"must be in [0, env.n_records={e.n_records}), got {e.question_not_in_last}")
+    _need(0 <= e.question_not_in_last < e.n_records, "env.question_not_in_last",
+          f"must be in [0, env.n_records={e.n_records}), got {e.question_not_in_last}")
     _need(e.name == "sequential_records" or (e.n_values == 10 and e.question_not_in_last == 0 and e.compact_after_step is None),
           "env.n_values/question_not_in_last/compact_after_step", f"are sequential_records knobs; env.name is {e.name}")
-    _need(e.compact_after_step is None or e.compact_after_step >= 1, "env.compact_after_step", f"must be >= 1 or null, got {e.compact_after_step}")
+    _need(e.compact_after_step is None or e.compact_after_step >= 1, "env.compact_after_step",
+          f"must be >= 1 or null, got {e.compact_after_step}")
     _need(0.0 <= e.distractor_rate < 1.0, "env.distractor_rate", f"must be in [0, 1), got {e.distractor_rate}")
     if e.name == "sequential_records" and e.question_not_in_last:
         from crl.envs.sequential_records import askable_possible, unaskable
 
-        _need(askable_possible(e.n_keys, e.distractor_rate), "env.question_not_in_last", unaskable(e.n_keys, e.question_not_in_last, "env."))
+        _need(askable_possible(e.n_keys, e.distractor_rate), "env.question_not_in_last",
+              unaskable(e.n_keys, e.question_not_in_last, "env."))
     _need(e.step_timeout_s is None or e.step_timeout_s > 0, "env.step_timeout_s", f"must be > 0 seconds or null, got {e.step_timeout_s}")
-    _need(e.factory is None or e.name in ("custom", "torchrl_chat"), "env.name", f"env.factory={e.factory!r} builds your own suite: set env.name=custom (got {e.name})")
-    _need(e.name != "torchrl_chat" or bool(e.factory), "env.factory", "env.name=torchrl_chat needs env.factory: 'package.module:function' returning a ChatEnv suite (crl/torchrl_llm/collector.py)")
-    _need(e.name != "custom" or bool(e.factory), "env.factory", "env.name=custom needs env.factory: 'package.module:function' or 'path/to/file.py:function' returning a task suite")
-    _need(e.factory is not None or not e.kwargs, "env.kwargs", "are the factory's keyword arguments: set env.factory (and env.name=custom), or remove them")
+    _need(e.factory is None or e.name in ("custom", "torchrl_chat"), "env.name",
+          f"env.factory={e.factory!r} builds your own suite: set env.name=custom (got {e.name})")
+    _need(e.name != "torchrl_chat" or bool(e.factory), "env.factory",
+          "env.name=torchrl_chat needs env.factory: 'package.module:function' returning a ChatEnv suite "
+          "(crl/torchrl_llm/collector.py)")
+    _need(e.name != "custom" or bool(e.factory), "env.factory",
+          "env.name=custom needs env.factory: 'package.module:function' or 'path/to/file.py:function' returning a task suite")
+    _need(e.factory is not None or not e.kwargs, "env.kwargs",
+          "are the factory's keyword arguments: set env.factory (and env.name=custom), or remove them")
     if e.factory is not None:
         from crl.envs.factory import FactoryError, resolve_factory
 
@@ -488,8 +506,8 @@ def validate(cfg: Config) -> None:
           "template takes the chat template's own system turn: it needs prompt.format=chat and no prompt.system")
     if e.name == "torchrl_chat":
         _check_torchrl_chat(cfg)
-    _need(cfg.tools.timeout_s > 0 and cfg.tools.memory_mb >= 16 and cfg.tools.max_output_bytes >= 64, "tools.timeout_s/memory_mb/max_output_bytes",
-          "timeout_s > 0, memory_mb >= 16, max_output_bytes >= 64")
+    _need(cfg.tools.timeout_s > 0 and cfg.tools.memory_mb >= 16 and cfg.tools.max_output_bytes >= 64,
+          "tools.timeout_s/memory_mb/max_output_bytes", "timeout_s > 0, memory_mb >= 16, max_output_bytes >= 64")
     _need(bool(cfg.run_dir), "run_dir", "must name a directory")
     _need(0.0 <= cfg.learner.max_padding < 1.0, "learner.max_padding", f"must be in [0, 1), got {cfg.learner.max_padding}")
     _need(cfg.learner.max_chunk_tokens is None or cfg.learner.max_chunk_tokens >= 1, "learner.max_chunk_tokens", "must be >= 1 or null")
@@ -505,14 +523,21 @@ def validate(cfg: Config) -> None:
           "weigh and route the value loss of a critic on the policy's trunk (model.share_critic_backbone=true); a separate critic "
           "has its own optimizer: set train.critic_lr instead, or model.share_critic_backbone=true")
     _need(a.target_kl is None or cfg.deepspeed.config is None, "algo.target_kl",
-          "is not supported with DeepSpeed (its engine steps inside the accumulation loop, before the step's KL is known): set it to null or deepspeed.config to null")
-    _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary", "needs compaction.enabled=true (no summaries without compaction)")
+          "is not supported with DeepSpeed (its engine steps inside the accumulation loop, before the step's KL is known): "
+          "set it to null or deepspeed.config to null")
+    _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary",
+          "needs compaction.enabled=true (no summaries without compaction)")
     preset = cfg.model.preset
-    _need(preset in PRESETS or (bool(preset) and Path(preset).is_dir()), "model.preset", f"{preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
-    _need(not (cfg.prompt.format == "chat" and preset in PRESETS and cfg.env.name != "torchrl_chat"), "prompt.format", "'chat' needs a checkpoint directory whose tokenizer has a chat template (presets use the word tokenizer)")
+    _need(preset in PRESETS or (bool(preset) and Path(preset).is_dir()), "model.preset",
+          f"{preset!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint directory (nothing is downloaded)")
+    _need(not (cfg.prompt.format == "chat" and preset in PRESETS and cfg.env.name != "torchrl_chat"), "prompt.format",
+          "'chat' needs a checkpoint directory whose tokenizer has a chat template (presets use the word tokenizer)")
     if preset not in PRESETS:
-        _need((Path(preset) / "config.json").is_file(), "model.preset", f"directory {preset} has no config.json: not a transformers checkpoint (import one with scripts/import_checkpoint.py, or use a preset)")
-    _need(not (cfg.model.backend == "vllm" and cfg.model.preset in PRESETS), "model.backend", "vllm serves a checkpoint directory; presets use the transformers backend")
+        _need((Path(preset) / "config.json").is_file(), "model.preset",
+              f"directory {preset} has no config.json: not a transformers checkpoint "
+              "(import one with scripts/import_checkpoint.py, or use a preset)")
+    _need(not (cfg.model.backend == "vllm" and cfg.model.preset in PRESETS), "model.backend",
+          "vllm serves a checkpoint directory; presets use the transformers backend")
     _need(cfg.model.temperature > 0, "model.temperature", "must be > 0 (behaviour log-probs need a proper distribution)")
     _need(0 < cfg.model.top_p <= 1, "model.top_p", "must be in (0, 1]")
     _need(cfg.model.max_action_tokens >= 1, "model.max_action_tokens", "must be >= 1")
@@ -527,37 +552,46 @@ def validate(cfg: Config) -> None:
               "must list the linear layers to adapt, e.g. [q_proj, v_proj]")
         if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
             stage = json.loads(Path(cfg.deepspeed.config).read_text()).get("zero_optimization", {}).get("stage", 0)
-            _need(stage != 3, "model.lora.enabled", "LoRA is not supported under DeepSpeed ZeRO-3 (the adapters are a few MB: use ZeRO-2 or none)")
+            _need(stage != 3, "model.lora.enabled",
+                  "LoRA is not supported under DeepSpeed ZeRO-3 (the adapters are a few MB: use ZeRO-2 or none)")
     for key in ("iterations", "episodes_per_batch", "micro_batches", "policy_epochs", "policy_minibatches"):
         _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     _need(t.critic_updates >= 0, "train.critic_updates", "must be >= 0")
     _need(t.dist_timeout_s > 0, "train.dist_timeout_s", f"must be > 0 seconds, got {t.dist_timeout_s}")
     _need(t.critic_warmup_iterations >= 0, "train.critic_warmup_iterations", "must be >= 0")
     _need(t.actor_lr > 0 and t.critic_lr > 0, "train.actor_lr/critic_lr", "must be > 0")
-    _need(t.policy_minibatches <= t.episodes_per_batch, "train.policy_minibatches", f"{t.policy_minibatches} minibatches cannot split {t.episodes_per_batch} episodes")
+    _need(t.policy_minibatches <= t.episodes_per_batch, "train.policy_minibatches",
+          f"{t.policy_minibatches} minibatches cannot split {t.episodes_per_batch} episodes")
     _need(t.group_size >= 1 and t.episodes_per_batch % t.group_size == 0, "train.group_size",
           f"{t.group_size} must be >= 1 and divide train.episodes_per_batch={t.episodes_per_batch} (a rank's batch holds whole groups)")
     _need(t.branches >= 1 and t.episodes_per_batch % t.branches == 0, "train.branches",
-          f"{t.branches} must be >= 1 and divide train.episodes_per_batch={t.episodes_per_batch} (a rank's batch holds whole branch groups)")
+          f"{t.branches} must be >= 1 and divide train.episodes_per_batch={t.episodes_per_batch} "
+          "(a rank's batch holds whole branch groups)")
     if t.branches > 1:
         _need(t.group_size == 1, "train.group_size", f"train.branches={t.branches} already makes groups of one task's episodes (sharing a "
               f"prefix): set train.group_size=1 (got {t.group_size})")
-        _need(e.name != "torchrl_chat", "train.branches", "env.name=torchrl_chat plays episodes through TorchRL's ChatEnv, which crl cannot fork: set train.branches=1")
-        _need(c.enabled and c.max_compactions >= 1, "train.branches", "branches part at the first compaction: needs compaction.enabled and max_compactions >= 1")
+        _need(e.name != "torchrl_chat", "train.branches",
+              "env.name=torchrl_chat plays episodes through TorchRL's ChatEnv, which crl cannot fork: set train.branches=1")
+        _need(c.enabled and c.max_compactions >= 1, "train.branches",
+              "branches part at the first compaction: needs compaction.enabled and max_compactions >= 1")
         contexts = t.episodes_per_batch // t.branches
         _need(t.policy_minibatches <= contexts, "train.policy_minibatches",
-              f"minibatches hold whole branch groups: {t.policy_minibatches} cannot split {contexts} contexts (episodes_per_batch / branches)")
+              f"minibatches hold whole branch groups: {t.policy_minibatches} cannot split {contexts} contexts "
+              "(episodes_per_batch / branches)")
     _need(0.0 <= a.sibling_value_weight <= 1.0, "algo.sibling_value_weight", f"must be in [0, 1], got {a.sibling_value_weight}")
     _need(a.sibling_value_weight == 0 or (t.branches >= 2 and a.estimator == "gae"), "algo.sibling_value_weight",
           "mixes the siblings' returns into the critic's values: needs train.branches >= 2 and algo.estimator=gae")
     _need(t.uniform_groups == "train" or t.branches >= 2 or t.group_size >= 2, "train.uniform_groups",
           "drop leaves out groups whose rewards agree: needs train.branches >= 2 or train.group_size >= 2")
-    _need(a.kl_to == "behaviour" or a.kl_coef > 0, "algo.kl_to", f"reference sets what algo.kl_coef's penalty pulls toward: set algo.kl_coef > 0 (got {a.kl_coef})")
+    _need(a.kl_to == "behaviour" or a.kl_coef > 0, "algo.kl_to",
+          f"reference sets what algo.kl_coef's penalty pulls toward: set algo.kl_coef > 0 (got {a.kl_coef})")
     _need(a.kl_to == "behaviour" or cfg.model.lora.enabled, "algo.kl_to",
           "reference is the policy as RL started, kept as a frozen LoRA adapter: needs model.lora.enabled=true")
-    _need(a.kl_to == "behaviour" or cfg.deepspeed.config is None, "algo.kl_to", "reference is not supported with DeepSpeed yet: set it to behaviour")
+    _need(a.kl_to == "behaviour" or cfg.deepspeed.config is None, "algo.kl_to",
+          "reference is not supported with DeepSpeed yet: set it to behaviour")
     _need(t.lr_warmup_steps >= 0, "train.lr_warmup_steps", f"must be >= 0, got {t.lr_warmup_steps}")
-    _need(t.lr_warmup_steps == 0 or cfg.deepspeed.config is None, "train.lr_warmup_steps", "is not supported with DeepSpeed (its engine owns the step): set it to 0")
+    _need(t.lr_warmup_steps == 0 or cfg.deepspeed.config is None, "train.lr_warmup_steps",
+          "is not supported with DeepSpeed (its engine owns the step): set it to 0")
     _need(t.max_grad_norm > 0 and t.critic_max_grad_norm > 0, "train.max_grad_norm/critic_max_grad_norm", "must be > 0")
     if a.estimator == "group":
         _need(t.group_size >= 2 or t.branches >= 2, "train.group_size",
@@ -571,11 +605,15 @@ def validate(cfg: Config) -> None:
         if steps is None:
             continue
         key = f"train.curriculum[{i}].compaction_steps"
-        _need(e.name in ("memory_chain", "custom"), key, f"a forced compaction schedule exists for memory_chain and custom suites, not {e.name} (remove the key)")
-        _need(all(isinstance(s, int) and not isinstance(s, bool) for s in steps) and list(steps) == sorted(set(steps)) and all(s >= 1 for s in steps),
+        _need(e.name in ("memory_chain", "custom"), key,
+              f"a forced compaction schedule exists for memory_chain and custom suites, not {e.name} (remove the key)")
+        _need(all(isinstance(s, int) and not isinstance(s, bool) for s in steps) and list(steps) == sorted(set(steps))
+              and all(s >= 1 for s in steps),
               key, f"must be strictly increasing positive integers, got {list(steps)}")
-        _need(not steps or steps[-1] <= stage.length + 1, key, f"step {steps[-1] if steps else 0} is after the last observation before the question (length {stage.length} + 1)")
-        _need(len(steps) <= c.max_compactions, key, f"{len(steps)} forced compactions exceed compaction.max_compactions={c.max_compactions}")
+        _need(not steps or steps[-1] <= stage.length + 1, key,
+              f"step {steps[-1] if steps else 0} is after the last observation before the question (length {stage.length} + 1)")
+        _need(len(steps) <= c.max_compactions, key,
+              f"{len(steps)} forced compactions exceed compaction.max_compactions={c.max_compactions}")
     _need(cfg.eval.every >= 0 and cfg.eval.episodes >= 1, "eval.every/episodes", "every >= 0 and episodes >= 1")
     _need(cfg.eval.temperature > 0, "eval.temperature", "must be > 0")
     _need(cfg.checkpoint.every >= 1 and cfg.checkpoint.keep_last >= 1, "checkpoint.every/keep_last", "must be >= 1")
@@ -583,13 +621,15 @@ def validate(cfg: Config) -> None:
     r = cfg.checkpoint.resume
     _need(r in ("auto", "force", "never") or (Path(r) / "meta.json").is_file(), "checkpoint.resume",
           f"{r!r} is neither auto, force, never nor a complete checkpoint directory (one with meta.json)")
-    _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes", "steps >= 0, batch_episodes >= 1")
+    _need(cfg.warm_start.steps >= 0 and cfg.warm_start.batch_episodes >= 1, "warm_start.steps/batch_episodes",
+          "steps >= 0, batch_episodes >= 1")
     w = cfg.warm_start
     _need(1 <= w.micro_batches <= w.batch_episodes, "warm_start.micro_batches",
           f"between 1 and warm_start.batch_episodes={w.batch_episodes} (each micro-batch holds whole rows, at least one per episode)")
     _need(w.micro_batches == 1 or w.summary_content != "balanced", "warm_start.micro_batches",
           "1 with warm_start.summary_content=balanced (its balance term is a function of the whole batch)")
-    _need(cfg.warm_start.stop_answer_p is None or 0 < cfg.warm_start.stop_answer_p <= 1, "warm_start.stop_answer_p", "a probability in (0, 1], or null")
+    _need(cfg.warm_start.stop_answer_p is None or 0 < cfg.warm_start.stop_answer_p <= 1, "warm_start.stop_answer_p",
+          "a probability in (0, 1], or null")
     _need(cfg.warm_start.probe_every >= 1, "warm_start.probe_every", ">= 1")
     _need(cfg.warm_start.probe_tasks >= 1, "warm_start.probe_tasks", ">= 1")
     _need(cfg.warm_start.format_draws >= 2, "warm_start.format_draws", ">= 2 (content is what differs between draws)")
@@ -634,7 +674,8 @@ def _check_prompt_texts(p: PromptConfig) -> None:
         try:
             fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
         except ValueError as err:
-            raise ConfigValidationError(f"prompt.{key}: {text!r} is not a format string ({err}); write a literal brace as {{{{ or }}}}") from None
+            raise ConfigValidationError(f"prompt.{key}: {text!r} is not a format string ({err}); "
+                                        "write a literal brace as {{ or }}") from None
         _need(fields == [name], f"prompt.{key}", f"must contain {{{name}}} exactly once and no other field, got {text!r}")
 
 
