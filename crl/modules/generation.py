@@ -185,6 +185,11 @@ class TransformersBackend:
             raise ValueError(f"{n} prompts but {len(keys)} cache keys")
         self._prefill_shared(prompts, keys)
         reuse = [self._reusable(k, p) for k, p in zip(keys, prompts)]
+        # a key whose cache no prompt of this call extends is replaced when the call ends, unread: free it now (at a branch
+        # point, 64 rows' summary requests would otherwise stay cached beside the resume contexts that replace them)
+        read = {key for key, r in zip(keys, reuse) if r}
+        for key in set(keys) - read - {None}:
+            self._prefix.pop(key, None)
         cached_w = max(reuse)
         suffixes = [list(p[r:]) for p, r in zip(prompts, reuse)]
         width = max(len(x) for x in suffixes)
