@@ -5,7 +5,7 @@
   interrupted and resumed, computes the same iteration (DeepSpeed's resume);
 * the vLLM backend writes each machine's weight syncs into that machine's own directory (``vllm.weights_dir``, two
   directories standing for two machines' /dev/shm) and each engine reads its own: PPO's first minibatch after every
-  sync has approx_kl ~ 0 on both;
+  sync has a KL to the sampler ~ 0 on both (policy/sampler_kl);
 * a worker killed mid-iteration under torchrun's elastic restarts (c10d rendezvous, ``--max-restarts``, launched by
   torchrun or by accelerate with ZeRO-2): the group comes back from the newest intact checkpoint, every iteration is
   logged exactly once, audit PASS; restarts over torchrun's shared store are refused at start;
@@ -206,8 +206,8 @@ def test_each_machine_syncs_vllm_weights_through_its_own_directory(tmp_path):
         line = [x for x in outs[r].splitlines() if x.startswith(f"vLLM weight syncs of machine {r}: ")]
         assert len(line) == 1 and line[0].split(": ")[1].split(" ")[0].startswith(str(shm[r])), outs[r][-3000:]
         assert list(shm[r].iterdir()) == []
-    recs = [r for r in metrics(run) if "policy/approx_kl" in r]
-    assert [r["step"] for r in recs] == [1, 2] and all(abs(r["policy/approx_kl"]) < TOL for r in recs), recs  # mean over both machines
+    recs = [r for r in metrics(run) if "policy/sampler_kl" in r]
+    assert [r["step"] for r in recs] == [1, 2] and all(abs(r["policy/sampler_kl"]) < TOL for r in recs), recs  # over both machines
     audit(run)
 
 

@@ -83,6 +83,7 @@ def test_every_step_kl_is_measured_after_it_and_the_last_included(tmp_path):
     for it, record in zip(iterations, logged):
         assert [s["applied"] for s in it["steps"]] == [True] * 4
         assert it["steps"][0]["step_kl"] < 1e-6  # the sampling weights: ratio 1 up to float noise
+        assert record["policy/sampler_kl"] == pytest.approx(it["steps"][0]["step_kl"], rel=1e-3, abs=1e-9)
         after = [s["step_kl"] for s in it["steps"][1:]] + it["measured"]  # after step i: step i+1's forward, then the last's own
         assert len(it["measured"]) == 1 and it["measured"][0] > 0
         assert record["policy/approx_kl"] == pytest.approx(sum(after) / len(after), rel=1e-4)

@@ -22,7 +22,7 @@ TOL = 5e-5  # behaviour vs learner log-probs, fp32 on this CPU (tests/test_vllm_
 VLLM = ["model.backend=vllm", "vllm.cpu_kv_cache_gb=0.25", "logging.wandb_mode=disabled", "logging.progress=false",
         "train.critic_warmup_iterations=0", "train.episodes_per_batch=6", "eval.episodes=6", "warm_start.batch_episodes=6",
         "warm_start.stop_answer_p=null",  # 20-40 steps cannot teach reading: the probe's stop rule off
-        "train.policy_minibatches=1",  # approx_kl ~ 0 (checked below) holds for every policy step only with one minibatch
+        "train.policy_minibatches=1",  # one policy step: its forward (policy/sampler_kl, checked below) sees every row
         # The audits: after 20-40 warm-start steps the policy mostly writes invalid commands, which configs/default.yaml's
         # invalid_command=fail ends at step 1 (no summary to audit, every reward 0); observe lets episodes reach the
         # forced compaction, and a normal-initialised value head gives non-zero gradients with every reward 0
@@ -52,7 +52,7 @@ def metrics(run_dir):
 def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
     """Warm start -> first collection, every update -> next collection, resume -> first collection, evaluate.py on a
     checkpoint: each samples exactly the learner's weights (behaviour log-probs = the learner's teacher-forced ones
-    to TOL; PPO's first minibatch after a sync has approx_kl ~ 0). Before, the engine kept the on-disk checkpoint
+    to TOL; PPO's first minibatch after a sync has policy/sampler_kl ~ 0). Before, the engine kept the on-disk checkpoint
     until the first update (the warm start never reached it) and died at the first weight push."""
     from crl.trainer import StalePolicyError, Trainer
 
@@ -66,7 +66,7 @@ def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
     first.fit()  # two iterations: each update is followed by a sync (and the next collection is checked below)
     recs = metrics(run)
     assert [r["step"] for r in recs if "perf/sync_s" in r] == [1, 2]
-    assert all(abs(r["policy/approx_kl"]) < TOL for r in recs if "policy/approx_kl" in r)  # ratio 1 at the first minibatch
+    assert all(abs(r["policy/sampler_kl"]) < TOL for r in recs if "policy/sampler_kl" in r)  # ratio 1 at the first minibatch
     audit = subprocess.run([sys.executable, "scripts/audit.py", str(run)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr
 
@@ -94,7 +94,7 @@ def test_the_sampler_always_holds_the_learners_weights(ckpt, tmp_path):
 def test_a_lora_policy_reaches_the_engine_merged(ckpt, tmp_path):
     """model.lora with vLLM: every sync writes the adapters folded into the base weights (crl/modules/lora.py), so the
     engine samples the learner's adapted policy — after the warm start (adapters non-zero) and after each update: the
-    behaviour log-probs equal the learner's to TOL, approx_kl ~ 0 at every first minibatch, audit PASS. Without the
+    behaviour log-probs equal the learner's to TOL, policy/sampler_kl ~ 0 at every first minibatch, audit PASS. Without the
     merge the engine would keep the base weights and the gap would be the warm start's whole effect."""
     from crl.trainer import Trainer
 
@@ -107,8 +107,8 @@ def test_a_lora_policy_reaches_the_engine_merged(ckpt, tmp_path):
     assert learner_gap(trainer, rollout) < TOL
     trainer.fit()
     recs = metrics(run)
-    assert [r["step"] for r in recs if "policy/approx_kl" in r] == [1, 2]
-    assert all(abs(r["policy/approx_kl"]) < TOL for r in recs if "policy/approx_kl" in r)
+    assert [r["step"] for r in recs if "policy/sampler_kl" in r] == [1, 2]
+    assert all(abs(r["policy/sampler_kl"]) < TOL for r in recs if "policy/sampler_kl" in r)
     audit = subprocess.run([sys.executable, "scripts/audit.py", str(run)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert audit.returncode == 0 and "audit: PASS" in audit.stdout, audit.stdout + audit.stderr
 
@@ -117,7 +117,7 @@ def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckp
     """The policy directory's generation_config.json sets a repetition penalty, an
     n-gram ban and a top-k (what a real checkpoint can ship). The engine samples crl's distribution, so the learner
     re-scores exactly what was drawn: the first policy update (one minibatch, every row at the sampling weights) has
-    approx_kl at float noise and clips nothing. Guarded twice: the engine is built with ``generation_config="vllm"``
+    sampler_kl at float noise and clips nothing. Guarded twice: the engine is built with ``generation_config="vllm"``
     and ``SamplingSpec.vllm_sampling_params`` sets every penalty and cutoff explicitly (without the first alone this
     still passes: measured)."""
     import shutil
@@ -136,14 +136,14 @@ def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckp
         assert learner_gap(trainer, rollout) < TOL
         trainer.update_policy(trainer.compute_advantages(rollout), 0)
         m = trainer.ppo.report.policy.logged("policy/")
-        assert abs(m["policy/approx_kl"][0]) < TOL and m["policy/clip_fraction"][0] == 0, m["policy/approx_kl"]
+        assert abs(trainer.ppo.report.sampler_kl) < TOL and m["policy/clip_fraction"][0] == 0, trainer.ppo.report.sampler_kl
     finally:
         trainer.close()
 
 
 def test_zero3_samples_through_one_engine_per_rank(ckpt, tmp_path):
     """DeepSpeed ZeRO-3 on 2 CPU ranks with model.backend=vllm: each rank's engine (its own core) gets the weights
-    gathered one module at a time; episodes, losses, the audit; the first minibatch's approx_kl is ~0 on both ranks."""
+    gathered one module at a time; episodes, losses, the audit; the first minibatch's KL to the sampler (policy/sampler_kl) is ~0 on both ranks."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero3.yaml",
            "--main_process_port", str(free_port()), "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}",
@@ -151,8 +151,8 @@ def test_zero3_samples_through_one_engine_per_rank(ckpt, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     recs = metrics(run)
-    assert [r["step"] for r in recs if "policy/approx_kl" in r] == [1, 2]
-    assert all(abs(r["policy/approx_kl"]) < TOL and r["perf/sync_s"] > 0 for r in recs if "policy/approx_kl" in r)
+    assert [r["step"] for r in recs if "policy/sampler_kl" in r] == [1, 2]
+    assert all(abs(r["policy/sampler_kl"]) < TOL and r["perf/sync_s"] > 0 for r in recs if "policy/sampler_kl" in r)
     for it in ("iter_000000", "iter_000001"):
         for rank in (0, 1):
             assert json.loads((run / "evidence" / it / f"rank_{rank}" / "meta.json").read_text())["world_size"] == 2

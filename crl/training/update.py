@@ -129,6 +129,7 @@ class UpdateReport:
     policy_steps: int | None = None
     kl_stop: bool | None = None
     kl_final: float | None = None
+    sampler_kl: float | None = None
     learner_s: float | None = None
     critic_passes: int = 0
     policy_forwards: float = 0.0
@@ -139,7 +140,9 @@ class UpdateReport:
         """The logged metrics, the same on every rank (every rank calls it: collectives): each loss metric's mean over
         the iteration's optimizer steps and ranks (``policy/*``, ``critic/*``; each step's value over its whole step;
         ``policy/approx_kl`` the mean of the KLs measured after each policy step), ``policy/steps``, ``policy/kl_stop``,
-        ``policy/kl_final`` (the KL of the weights the update ends with), ``grad_norm/{actor,critic}`` (this rank's mean:
+        ``policy/kl_final`` (the KL of the weights the update ends with), ``policy/sampler_kl`` (the first step's forward,
+        at the weights that sampled: the learner against the sampler's log-probs, 0 up to float noise when they agree),
+        ``grad_norm/{actor,critic}`` (this rank's mean:
         the policy's own tensors, the critic's own), ``policy/entropy_{execution,summary}`` (nats per optimized token,
         over ranks) and ``perf/learner_tokens_per_s`` (``learner_tokens``: positions of one pass over the batch; passes:
         the values, the entropy pass, each critic step, the policy's forwards, dropped and KL-measuring ones included,
@@ -149,6 +152,8 @@ class UpdateReport:
             log["policy/steps"] = float(self.policy_steps)
             log["policy/kl_stop"] = float(self.kl_stop)
             log["policy/kl_final"] = float(self.kl_final)
+        if self.sampler_kl is not None:
+            log["policy/sampler_kl"] = float(self.sampler_kl)
         for name in ("actor", "critic"):
             if self.grad_norms[name]:
                 log[f"grad_norm/{name}"] = float(np.mean(self.grad_norms[name]))
@@ -355,6 +360,7 @@ class PPOUpdate:
             mbs = [batch[torch.tensor(r, dtype=torch.long)] if r else placeholder_row(batch) for r in rows]
             before = self.snapshot() if limit is not None else None
             self.optimizer_step("actor", mbs, fill=(batch, rows))
+            self.report.sampler_kl = self.last_step_kl
             self.end_pass()
             kl = self.measure_kl(mbs, 1.0)
             kept = not (limit is not None and kl > limit)
@@ -374,6 +380,8 @@ class PPOUpdate:
             applied = self.optimizer_step("actor", mbs, max_kl=limit if steps else None)
             if steps:  # this step's forward ran at the weights the previous step left: its KL is that step's
                 kls.append(self.last_step_kl)
+            elif i == 0:  # the sampling weights: the learner against the sampler's own log-probs
+                self.report.sampler_kl = self.last_step_kl
             if not applied:  # the previous step went past the bound: undone, and the update ends
                 self.restore(before)
                 steps, stopped = steps - 1, True
