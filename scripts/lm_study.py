@@ -3,7 +3,7 @@
 says what each run is, what the report holds and how a study resumes.
 
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
-                               [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained|keep]
+                               [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained|keep|pilot]
                                [--final-split dev|test] [--final-episodes N] [--force] [--carry REPORT] [--report-only]
                                [--export DIR] [--allow-dirty] [--kernel default|avx2|avx512|scalar]
 
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--final-split", default="dev", choices=("dev", "test"), help="the split of the final evaluation (the reported "
                     "number; dev is also what the training curves use, so test is the held-out one)")
     ap.add_argument("--gate", default="chain", choices=GATES, help="the preregistered gate the report judges: chain (GATE, the memory "
-                    "chain studies), pretrained (PRETRAINED_GATE, the SmolLM2 study) or keep (KEEP_GATE, the keep study)")
+                    "chain studies), pretrained (PRETRAINED_GATE, the SmolLM2 study), keep (KEEP_GATE, the keep study) or pilot "
+                    "(PILOT_GATE, the keep task's pilot before a preregistration: dev split, needs --export)")
     ap.add_argument("--export", metavar="DIR", help="copy each finished run's evidence (config, metrics, audit, final evaluation, code, "
                     "curves, decoded summaries; no checkpoints) to DIR/ARM_seedS/ for committing; --carry checks carried rows against "
                     "the files committed there")

@@ -206,3 +206,22 @@ def test_invalid_knobs_are_refused():
     with pytest.raises(ValueError, match="too small"):
         tiny.tasks("dev")
     assert len(MemoryChainSuite(length=0, disjoint_splits=False).tasks("test")) == 60
+
+
+@pytest.mark.parametrize("text, formed", [
+    ("blue = 4 , red = 2<|im_end|>", True),          # summarize()'s format, ended by the EOS
+    ("blue = 4, black = 9 ,green = 8<|im_end|>", True),  # the spaces around = and , may differ
+    ("none<|im_end|>", True),                        # nothing kept, as summarize() writes it
+    ("blue = 5 , red = 5 , red = 5 , blue = 1", True),  # cut by the token budget after a whole pair
+    ("gray = 0 ,", False),                           # cut inside the list
+    ("blue = 4 , red<|im_end|>", False),             # a pair cut in half
+    ("red = 2 , yellow = 0 . ready = 0", False),     # not the separator
+    ("blue = 4<|im_end|><|im_end|>", False),         # a second EOS
+    ("next<|im_end|>", False),                       # a command, not a summary
+    ("", False),
+])
+def test_a_summary_is_well_formed_in_summarizes_format(text, formed):
+    from crl.envs.sequential_records import summarize, well_formed
+
+    assert well_formed(text, "<|im_end|>") is formed
+    assert well_formed(summarize({"blue": "7", "red": "2"}) + "</s>", "</s>") and well_formed(summarize({}))

@@ -504,6 +504,112 @@ def test_the_keep_rule_fails_a_final_evaluation_of_no_episode_naming_it():
     assert g["secondary"]["success"]["per_seed"]["2"] == {"value": None, "exact": None}
 
 
+# ------------------------------------------------------------------------------------------------ the keep task's pilot
+def pilot_run(start=10, end=18, episodes=40, iterations=2, audit="PASS", final=True) -> dict:
+    """A report row of a pilot run by hand: dev summary holds ``start``/``episodes`` at iteration 0 and
+    ``end``/``episodes`` at the last (logged as floats, as the trainer logs them), a final dev evaluation."""
+    curve = [[0, start / episodes], [iterations, end / episodes]]
+    row = keep_run(split="dev", iterations=iterations, curve=(0, iterations), summary=final)
+    return {**row, "audit": audit, "holds_curve": [c for c in curve if c[1] is not None]}
+
+
+def pilot_arms(joint=None, frozen=None) -> dict:
+    """Two pilot seeds; seed "1" at the defaults (joint 10 -> 18 of 40, frozen 10 -> 8), seed "2" as given."""
+    return {arm: {"seeds": {k: pilot_run(**{**base, **((kw or {}) if k == "2" else {})}) for k in ("1", "2")}}
+            for arm, kw, base in (("joint", joint, {}), ("frozen", frozen, {"end": 8}))}
+
+
+def test_the_pilot_rule_judges_dev_holds_and_the_format_exactly_at_its_thresholds():
+    """PILOT_GATE on hand-made rows: at each threshold a seed passes, one count past it fails (joint's gain and lead over
+    frozen >= 1/4, frozen's drift <= 1/10 either way, >= 9/10 well-formed summaries in each arm); the logged floats are
+    read back as the counts' fractions (14/40 - 10/40 = 1/10 exactly, which 0.35 - 0.25 is not in floats); a missing
+    dev evaluation or missing decoded summaries fail every_run_complete, naming the run; the final evaluation is
+    reported, not judged."""
+    from fractions import Fraction
+
+    from crl.experiments.keep_rule import PILOT_GATE, pilot_gate
+
+    good, bad = "blue = 4 , red = 2<|end|>", "blue = 4 , red<|end|>"
+    def formed(joint=10, frozen=10):  # noqa: E306 -- summaries of each arm's seeds: `n` of 10 well formed
+        return {arm: {k: [good] * n + [bad] * (10 - n) for k in ("1", "2")} for arm, n in (("joint", joint), ("frozen", frozen))}
+    judge = lambda arms, summaries=None: pilot_gate(arms, iterations={"joint": 2, "frozen": 2},  # noqa: E731
+                                                    summaries=summaries or formed(), eos="<|end|>")
+    assert 0.35 - 0.25 != 0.1 and Fraction(14, 40) - Fraction(10, 40) == PILOT_GATE["frozen_holds_drift"]
+
+    g = judge(pilot_arms())  # joint 10 -> 18 (+8/40 = 1/5): fails the gain by 2 counts
+    assert g["verdict"] == "FAIL" and not g["checks"]["joint_holds_gain"]["pass"] and g["checks"]["joint_holds_gain"]["exact"] == "1/5"
+    at = pilot_arms(joint={"end": 20}, frozen={"end": 10})
+    for arm in at:  # seed 1 well inside every threshold
+        at[arm]["seeds"]["1"] = pilot_run(end=30 if arm == "joint" else 10)
+    g = judge(at)  # seed 2: joint 10 -> 20 (+1/4), frozen 10 -> 10: lead exactly 1/4
+    assert g["verdict"] == "PASS", g["checks"]
+    c = g["checks"]
+    assert c["joint_holds_gain"]["exact"] == "1/4" and c["joint_holds_minus_frozen"]["exact"] == "1/4"
+    assert c["joint_holds_gain"]["per_seed"]["2"]["counts"] == "1/2 - 1/4"
+    assert c["well_formed"]["per_seed"]["2"]["counts"] == "joint 10/10, frozen 10/10"
+    assert set(c) == {*PILOT_GATE, "all_audits_pass", "every_run_complete"}
+    assert g["final_eval"]["joint"]["2"] == {"episodes_judged": 120, "holds": 84} and g["split"] == "dev"
+
+    def fails(arms, check, summaries=None):
+        out = judge(arms, summaries)
+        return out["verdict"] == "FAIL" and not out["checks"][check]["pass"] and out["checks"][check]["per_seed"]["1"]["pass"]
+
+    def seed2(joint=None, frozen=None):
+        arms = pilot_arms(joint={"end": 20, **(joint or {})}, frozen={"end": 10, **(frozen or {})})
+        for arm in arms:
+            arms[arm]["seeds"]["1"] = pilot_run(end=30 if arm == "joint" else 10)
+        return arms
+
+    assert fails(seed2(joint={"end": 19}, frozen={"end": 9}), "joint_holds_gain")  # +9/40, still 1/4 over frozen
+    assert fails(seed2(frozen={"end": 11}), "joint_holds_minus_frozen")  # 20 - 11 of 40
+    assert judge(seed2(joint={"end": 24}, frozen={"end": 14}))["verdict"] == "PASS"  # frozen drifted up 1/10: allowed
+    assert fails(seed2(joint={"end": 25}, frozen={"end": 15}), "frozen_holds_drift")  # up 1/8
+    assert fails(seed2(joint={"end": 20}, frozen={"start": 16, "end": 5}), "frozen_holds_drift")  # down 11/40
+    assert judge(seed2(), formed(joint=9, frozen=9))["verdict"] == "PASS"
+    nine = formed()
+    nine["frozen"]["2"] = [good] * 8 + [bad] * 2
+    assert fails(seed2(), "well_formed", nine)
+    assert judge(seed2(), nine)["checks"]["well_formed"]["per_seed"]["2"]["counts"] == "joint 10/10, frozen 8/10"
+
+    assert judge(seed2(frozen={"audit": "FAIL"}))["checks"]["all_audits_pass"]["pass"] is False
+    no_holds = seed2()
+    no_holds["joint"]["seeds"]["2"]["holds_curve"] = [[0, 0.25]]
+    no_summaries = formed()
+    no_summaries["frozen"]["2"] = None
+    for arms, summaries, missing in [(no_holds, None, "joint seed 2: no dev summary holds logged at iteration 2"),
+                                     (seed2(), no_summaries, "frozen seed 2: no decoded summaries (export the run: --export DIR)"),
+                                     (seed2(joint={"final": False}), None, "joint seed 2: its final evaluation has no summary block")]:
+        g = judge(arms, summaries)
+        assert g["verdict"] == "FAIL" and g["checks"]["every_run_complete"]["missing"][0].startswith(missing), g["checks"]
+        assert g["checks"]["joint_holds_gain"]["per_seed"].keys() == {"1"}  # the incomplete seed is not judged
+    assert pilot_gate({"joint": {"seeds": {}}}, iterations={}, summaries={}, eos="") is None
+
+
+def test_the_pilot_study_reads_the_exported_summaries_with_its_tokenizers_eos(tmp_path):
+    """Study.pilot_rule: each run's last decoded iteration of EXPORT/ARM_seedS/summaries.jsonl, judged with the EOS text
+    of the joint arm's tokenizer (the tests' records task: ``<|end|>``); --gate pilot refuses a study without --export
+    or with a final evaluation on test."""
+    import crl.experiments.lm_study as lm_study
+
+    export = tmp_path / "kept"
+    study = lm_study.Study(["joint", "frozen"], [1], tmp_path / "out", config_dir=KEEP_QUICK, gate="pilot", final_episodes=8,
+                           export=export, allow_dirty=True)
+    first = {"iteration": 0, "rows": [{"summary": "not pairs"}] * 10}
+    for arm, last in (("joint", ["red = 1 , blue = 2<|end|>"] * 9 + ["red = 1 ,"]), ("frozen", ["none<|end|>"] * 10)):
+        (export / f"{arm}_seed1").mkdir(parents=True)
+        (export / f"{arm}_seed1" / "summaries.jsonl").write_text(
+            "\n".join(json.dumps(d) for d in (first, {"iteration": 99, "rows": [{"summary": t} for t in last]})) + "\n")
+    arms = {arm: {"seeds": {"1": pilot_run(end=30 if arm == "joint" else 10)}} for arm in ("joint", "frozen")}
+    cfgs = {arm: load_config(KEEP_QUICK / f"{arm}.yaml", ["train.iterations=2"]) for arm in ("joint", "frozen")}
+    g = study.pilot_rule(cfgs, arms)
+    assert g["verdict"] == "PASS", g["checks"]
+    assert g["checks"]["well_formed"]["per_seed"]["1"]["counts"] == "joint 9/10, frozen 10/10"
+    for kw, match in (({"final_split": "test"}, "--final-split dev"), ({"export": None}, "--export DIR")):
+        with pytest.raises(SystemExit, match=match):
+            lm_study.Study(["joint", "frozen"], [1], tmp_path / "o", config_dir=KEEP_QUICK, gate="pilot", final_episodes=8,
+                           allow_dirty=True, **{"export": export, **kw}).main()
+
+
 def test_a_study_report_comes_from_a_clean_tree(tmp_path, monkeypatch):
     """A dirty checkout is refused before anything trains, with one line saying how to proceed; --allow-dirty (or
     --quick) lets it through, and the report records which."""

@@ -69,6 +69,20 @@ def summarize(values: Mapping[str, str]) -> str:
 
 _SUMMARY_PAIR = re.compile(r"(\w+) = (\w+)")
 
+#: :func:`summarize`'s format, up to the spaces around ``=`` and ``,``: ``key = value`` pairs (a word, a number) joined by
+#: commas, or ``none``
+_SUMMARY_FORM = re.compile(r"\s*(?:none|[A-Za-z]+ *= *\d+(?: *, *[A-Za-z]+ *= *\d+)*)\s*")
+
+
+def well_formed(summary_text: str, eos: str = "") -> bool:
+    """Whether a summary is written in :func:`summarize`'s format (the one the warm start teaches), ending in ``eos``
+    (the tokenizer's EOS text) or cut at the token budget after a whole pair. A policy update that breaks the format
+    shows here first (text that is not pairs, a pair cut in half, a second EOS)."""
+    text = summary_text.strip()
+    if eos and text.endswith(eos):
+        text = text[: -len(eos)]
+    return _SUMMARY_FORM.fullmatch(text) is not None
+
 
 def summary_values(summary_text: str) -> dict[str, str]:
     """The key values a summary in :func:`summarize`'s format holds, in its order (its inverse: ``none`` holds none).

@@ -13,7 +13,7 @@ GATE = {"joint_mean": 0.95, "joint_min": 0.90, "joint_minus_frozen": 0.30}
 #: joint's last dev success >= its own iteration-0 dev success + 0.15 (the same dev episodes); every audit PASS.
 PRETRAINED_GATE = {"joint_minus_frozen_every_seed": 0.15, "joint_gain_every_seed": 0.15}
 
-GATES = ("chain", "pretrained", "keep")  # --gate: which preregistered gate the report judges
+GATES = ("chain", "pretrained", "keep", "pilot")  # --gate: which preregistered gate the report judges
 
 
 def gate(arms: dict) -> dict | None:

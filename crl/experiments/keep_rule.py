@@ -3,6 +3,9 @@ asked key's final value in its summaries, beyond what the frozen summariser and 
 
 Judged on every seed from the integer counts of each run's final *test* evaluation (``scripts/evaluate.py``: its
 ``summary`` block), in exact arithmetic (``fractions.Fraction``: 42/120 - 24/120 passes 15/100 where floats fail).
+
+Before a preregistration, a recipe must pass the pilot rule (:data:`PILOT_GATE`) on pilot seeds and the dev split: the
+joint arm's summaries moved toward keeping, the control's did not, and the format survived.
 """
 from __future__ import annotations
 
@@ -22,6 +25,16 @@ KEEP_GATE = {"joint_holds": Fraction(1, 2), "joint_holds_minus_frozen": Fraction
 #: The split the keep rule reads (its final evaluation and the shortcut prices).
 KEEP_SPLIT = "test"
 
+#: The pilot rule, on every pilot seed, from the dev evaluations at iteration 0 and at the last iteration (the same dev
+#: episodes, ``eval.episodes`` of them): joint's summary holds at the end >= its own at iteration 0 + 1/4 and >= frozen's
+#: at the end (same seed) + 1/4; frozen's end within 1/10 of its iteration 0 (the control's summaries did not move);
+#: in each arm >= 9/10 of the last decoded iteration's summaries well formed
+#: (:func:`crl.envs.sequential_records.well_formed`); every audit PASS. The final dev evaluation is reported, not judged.
+PILOT_GATE = {"joint_holds_gain": Fraction(1, 4), "joint_holds_minus_frozen": Fraction(1, 4), "frozen_holds_drift": Fraction(1, 10),
+              "well_formed": Fraction(9, 10)}
+#: The split the pilot rule reads (the test split is the study's).
+PILOT_SPLIT = "dev"
+
 
 def _ratio(num, den) -> Fraction | None:
     """``num / den`` of integer counts, exactly; None when ``den`` is 0."""
@@ -33,9 +46,9 @@ def _value(x: Fraction | None) -> dict:
 
 
 def run_missing(row: dict | None, iterations: int, split: str = KEEP_SPLIT) -> list[str]:
-    """What a judged run lacks for the keep rule (``[]``: complete): the run itself, a dev evaluation at iteration 0
-    and at its last iteration, a final evaluation of ``split`` of at least one episode with its integer counts and
-    ``summary`` block."""
+    """What a judged run lacks for the keep rule or the pilot rule (``[]``: complete): the run itself, a dev evaluation
+    at iteration 0 and at its last iteration, a final evaluation of ``split`` of at least one episode with its integer
+    counts and ``summary`` block."""
     if row is None:
         return ["no run"]
     if row.get("not_run") or row.get("audit") == "NOT RUN":
@@ -158,3 +171,68 @@ def keep_secondary(arms: dict, other: str = "no_cross_trajectory") -> dict:
                          "interval_excludes_0": excludes,
                          "ordering": f"joint > {other}" if lo > 0 else f"joint < {other}" if hi < 0 else "none claimed"}
     return out
+
+
+def _curve_holds(row: dict, iteration: int) -> Fraction | None:
+    """The dev evaluation's summary holds at ``iteration`` (``holds_curve``: a logged fraction of at most a few
+    hundred episodes, read back as that fraction exactly), or None where it was not logged."""
+    value = dict(map(tuple, row.get("holds_curve") or [])).get(iteration)
+    return None if value is None else Fraction(value).limit_denominator(10_000)
+
+
+def pilot_gate(arms: dict, *, iterations: dict, summaries: dict, eos: str) -> dict | None:
+    """:data:`PILOT_GATE` on every seed of the joint and frozen arms.
+
+    ``iterations``: each arm's ``train.iterations``; ``summaries``: ``{arm: {seed: [summary text, ...] | None}}``, the
+    summaries of each run's last decoded evidence iteration (the study's export, ``summaries.jsonl``; None where there
+    is none); ``eos``: the tokenizer's EOS text. Returns ``{"verdict", "checks": {name: {"value", "exact", "threshold",
+    "threshold_exact", "per_seed", "pass"}}, "final_eval", "split", "code"}``; a seed that lacks a run, a dev
+    evaluation of its holds at iteration 0 or the last, or decoded summaries fails ``every_run_complete``, naming it.
+    None without a joint or a frozen arm."""
+    from crl.envs.sequential_records import well_formed
+
+    if "joint" not in arms or "frozen" not in arms:
+        return None
+    runs = {arm: arms[arm]["seeds"] for arm in ("joint", "frozen")}
+    seeds = sorted(set(runs["joint"]) | set(runs["frozen"]), key=int)
+    missing = []
+    for k in seeds:
+        for arm in ("joint", "frozen"):
+            row = runs[arm].get(k)
+            problems = run_missing(row, iterations[arm], PILOT_SPLIT)
+            if row is not None and not problems:
+                problems += [f"no dev summary holds logged at iteration {it}" for it in (0, iterations[arm])
+                             if _curve_holds(row, it) is None]
+                problems += [] if (summaries.get(arm) or {}).get(k) else ["no decoded summaries (export the run: --export DIR)"]
+            missing += [f"{arm} seed {k}: {m}" for m in problems]
+    complete_seeds = [k for k in seeds if not any(m.startswith((f"joint seed {k}:", f"frozen seed {k}:")) for m in missing)]
+
+    per = {name: {} for name in PILOT_GATE}
+    for k in complete_seeds:
+        (j0, j1), (f0, f1) = [(_curve_holds(runs[a][k], 0), _curve_holds(runs[a][k], iterations[a])) for a in ("joint", "frozen")]
+        gain, gap, drift = j1 - j0, j1 - f1, abs(f1 - f0)
+        per["joint_holds_gain"][k] = {**_value(gain), "counts": f"{exact(j1)} - {exact(j0)}",
+                                      "pass": gain >= PILOT_GATE["joint_holds_gain"]}
+        per["joint_holds_minus_frozen"][k] = {**_value(gap), "counts": f"{exact(j1)} - {exact(f1)}",
+                                              "pass": gap >= PILOT_GATE["joint_holds_minus_frozen"]}
+        per["frozen_holds_drift"][k] = {**_value(drift), "counts": f"|{exact(f1)} - {exact(f0)}|",
+                                        "pass": drift <= PILOT_GATE["frozen_holds_drift"]}
+        formed = {arm: (sum(well_formed(t, eos) for t in summaries[arm][k]), len(summaries[arm][k])) for arm in ("joint", "frozen")}
+        worst = min(Fraction(n, d) for n, d in formed.values())
+        per["well_formed"][k] = {**_value(worst), "counts": ", ".join(f"{arm} {n}/{d}" for arm, (n, d) in formed.items()),
+                                 "pass": worst >= PILOT_GATE["well_formed"]}
+    complete = not missing and bool(complete_seeds)
+    checks = {}
+    for name, threshold in PILOT_GATE.items():
+        vals = [Fraction(v["exact"]) for v in per[name].values()]
+        worst = (max if name == "frozen_holds_drift" else min)(vals, default=None)  # the seed nearest failing
+        checks[name] = {**_value(worst), "threshold": float(threshold), "threshold_exact": exact(threshold), "per_seed": per[name],
+                        "pass": complete and all(v["pass"] for v in per[name].values())}
+    audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
+    checks["all_audits_pass"] = {"value": audits, "threshold": True, "pass": audits}
+    checks["every_run_complete"] = {"value": complete, "threshold": True, "missing": missing or ([] if complete_seeds else ["no seed"]),
+                                    "pass": complete}
+    final = {arm: {k: {key: ((r.get("final_eval") or {}).get("summary") or {}).get(key) for key in ("episodes_judged", "holds")}
+                   for k, r in runs[arm].items()} for arm in runs}  # reported beside the rule, never judged
+    return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks,
+            "final_eval": final, "split": PILOT_SPLIT, "code": judged_code(arms)}

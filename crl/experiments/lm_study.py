@@ -3,7 +3,7 @@
 start per seed shared by the arms. ``scripts/lm_study.py`` is its command line:
 
     python scripts/lm_study.py --arms joint frozen ... --seeds 7 17 29 --out DIR [--quick] [--parallel N]
-                               [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained|keep]
+                               [--config-dir configs/study] [--set KEY=VALUE ...] [--gate chain|pretrained|keep|pilot]
                                [--final-split dev|test] [--final-episodes N] [--force] [--carry REPORT] [--report-only]
                                [--export DIR] [--allow-dirty] [--kernel default|avx2|avx512|scalar]
 
@@ -16,7 +16,8 @@ reruns a study on torch's other CPU float path, into its own ``--out``): a ``scr
 its final checkpoint (``--final-episodes`` episodes of ``--final-split``, default 240 dev episodes: each of the 60
 dev tasks 4 times, a quarter of the training-time evaluation's noise). With a joint and a frozen arm the report
 carries the preregistered gate ``--gate`` names: :data:`crl.experiments.gates.GATE` (chain, the default),
-:data:`crl.experiments.gates.PRETRAINED_GATE` or the keep rule (:mod:`crl.experiments.keep_rule`). The arms of one seed share its warm start
+:data:`crl.experiments.gates.PRETRAINED_GATE`, the keep rule or the keep task's pilot rule (``pilot``, on dev, reading
+each run's exported summaries; both :mod:`crl.experiments.keep_rule`). The arms of one seed share its warm start
 (``warm_start.cache_dir=DIR/warm_start_cache``: computed by the first, loaded bit-identically by the others).
 Logs: ``DIR/logs/ARM_seedS.{train,audit,eval}.log``; wall times: ``DIR/logs/ARM_seedS.json``.
 
@@ -80,6 +81,7 @@ keep study's on tests/data/lm_keep_quick/). Its numbers say nothing about learni
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import threading
@@ -89,7 +91,7 @@ from pathlib import Path
 from crl.config import ConfigValidationError, chance_success, load_config, to_dict  # (pure: no torch)
 from crl.experiments import exports
 from crl.experiments.gates import GATES, gate, pretrained_gate
-from crl.experiments.keep_rule import KEEP_SPLIT, keep_gate
+from crl.experiments.keep_rule import KEEP_SPLIT, PILOT_SPLIT, keep_gate, pilot_gate
 from crl.experiments.kernels import machine
 from crl.experiments.plots import plot_keep
 from crl.experiments.run_files import ROOT, rel
@@ -149,15 +151,17 @@ class Study(Sweep):
         """The sweep's check of every arm's config, and for the keep rule what it reads: a sequential-records task (its
         chance and shortcut prices), a joint and a frozen arm, a final evaluation of the test split."""
         cfgs = super().check_configs()
-        if self.gate_name == "keep":
-            problems = [f"arm {arm} is a {c.env.name} task (the rule prices sequential_records shortcuts)" for arm, c in cfgs.items()
+        if self.gate_name in ("keep", "pilot"):
+            problems = [f"arm {arm} is a {c.env.name} task (the rule reads sequential_records summaries)" for arm, c in cfgs.items()
                         if c.env.name != "sequential_records"]
             problems += [f"no {arm} arm (--arms ... {arm})" for arm in ("joint", "frozen") if arm not in cfgs]
-            if not self.final_episodes or self.final_split != KEEP_SPLIT:
-                problems.append(f"the rule reads each run's final {KEEP_SPLIT} evaluation: --final-split {KEEP_SPLIT} and --final-episodes "
-                                "> 0")
+            split = KEEP_SPLIT if self.gate_name == "keep" else PILOT_SPLIT
+            if not self.final_episodes or self.final_split != split:
+                problems.append(f"the rule reads each run's final {split} evaluation: --final-split {split} and --final-episodes > 0")
+            if self.gate_name == "pilot" and not self.export:
+                problems.append("the rule reads each run's decoded summaries from its export: --export DIR")
             if problems:
-                raise SystemExit(f"{self.name}: --gate keep: {'; '.join(problems)}")
+                raise SystemExit(f"{self.name}: --gate {self.gate_name}: {'; '.join(problems)}")
         return cfgs
 
     def main(self) -> int:
@@ -251,7 +255,7 @@ class Study(Sweep):
         return {
             "task": task,
             "gate": gate(arms) if self.gate_name == "chain" else pretrained_gate(arms) if self.gate_name == "pretrained"
-            else self.keep_rule(cfgs, arms),
+            else self.keep_rule(cfgs, arms) if self.gate_name == "keep" else self.pilot_rule(cfgs, arms),
             "gate_name": self.gate_name,
             # the tree this report came from, and the code that trained each run (RUN_DIR/code.json; per seed as "code")
             "tree": getattr(self, "tree", None),
@@ -286,6 +290,25 @@ class Study(Sweep):
                                      iterations={arm: c.train.iterations for arm, c in cfgs.items()})
         return self.keep_result
 
+    def pilot_rule(self, cfgs: dict, arms: dict) -> dict | None:
+        """:func:`pilot_gate` with what it reads beside the report's rows: each run's last decoded summaries (the
+        export's ``summaries.jsonl``) and the EOS text of the joint arm's tokenizer."""
+        from crl.builders import build_tokenizer
+
+        if "joint" not in cfgs or "frozen" not in cfgs:
+            return None
+        codec = build_tokenizer(cfgs["joint"])
+        summaries = {}
+        for arm in ("joint", "frozen"):
+            summaries[arm] = {}
+            for k in arms[arm]["seeds"]:
+                path = self.export / f"{arm}_seed{k}" / "summaries.jsonl"
+                decoded = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+                summaries[arm][k] = [r["summary"] for r in decoded[-1]["rows"]] if decoded else None
+        self.keep_result = pilot_gate(arms, iterations={arm: c.train.iterations for arm, c in cfgs.items()}, summaries=summaries,
+                                      eos=codec.decode([codec.eos_id]))
+        return self.keep_result
+
     @staticmethod
     def chance(cfg) -> float | None:
         """A uniform guess's success: the sweep's (memory chain), and 1 / env.n_values on a sequential-records task."""
@@ -293,14 +316,14 @@ class Study(Sweep):
 
     def plot(self, rows: list[dict], png: Path, title: str, chance: float | None) -> None:
         """The keep rule's report PNG (:func:`crl.experiments.plots.plot_keep`); the sweep's plot for the other gates."""
-        if self.gate_name != "keep":
+        if self.gate_name not in ("keep", "pilot"):
             return super().plot(rows, png, title, chance)
         return plot_keep(self, rows, png, title, chance)
 
     def title(self, report: dict) -> str:
         t = report["task"]
         if t["env"] == "sequential_records":
-            what = "dev success and summary holds" if self.gate_name == "keep" else "dev success"
+            what = "dev success and summary holds" if self.gate_name in ("keep", "pilot") else "dev success"
             return (f"{what}, sequential records ({t['n_records']} records, {t['n_keys']} keys, question never about the last "
                     f"{t['question_not_in_last']}), {report['compactions_per_episode']} compaction(s){' (quick)' if t['quick'] else ''}")
         what = f"memory chain {t['length']}" if t["env"] == "memory_chain" else t["env"]
@@ -316,7 +339,7 @@ class Study(Sweep):
             self.say(f"{arm:22s} dev success iter0 {fmt(s['iter0_dev_success_mean'])} -> final mean {fmt(s['final_dev_success_mean'])} "
                      f"(min {fmt(s['final_dev_success_min'])}); final eval mean {fmt(s['final_eval_success_mean'])} "
                      f"(min {fmt(s['final_eval_success_min'])}{iqm}); audits {s['audits_pass']}/{s['seeds']} PASS")
-        if report["gate"] is not None and self.gate_name == "keep":
+        if report["gate"] is not None and self.gate_name in ("keep", "pilot"):
             self.conclude_keep(report)
         elif report["gate"] is not None:
             g = report["gate"]
@@ -325,25 +348,30 @@ class Study(Sweep):
                                                          for k, c in g["checks"].items()) + f"; final evaluation on {self.final_split})")
 
     def conclude_keep(self, report: dict) -> None:
-        """The keep rule, check by check (the seed nearest failing, exactly), what is missing, the secondary comparison,
-        and which commits trained the runs."""
-        g = report["gate"]
+        """The keep rule or the pilot rule, check by check (the seed nearest failing, exactly), what is missing; the
+        keep rule's shortcut and secondary comparison, the pilot's final evaluations (not judged); which commits
+        trained the runs."""
+        g, rule = report["gate"], f"{self.gate_name} rule"
         for name, c in g["checks"].items():
             if "per_seed" in c:
                 seeds = ", ".join(f"{k}: {v['counts']}{' PASS' if v['pass'] else ' FAIL'}" for k, v in c["per_seed"].items())
                 value = "n/a" if c["value"] is None else f"{c['value']:.3f} ({c['exact']})"
-                self.say(f"keep rule {name}: {value} vs {c['threshold_exact']} -> {'PASS' if c['pass'] else 'FAIL'} [{seeds}]")
+                self.say(f"{rule} {name}: {value} vs {c['threshold_exact']} -> {'PASS' if c['pass'] else 'FAIL'} [{seeds}]")
             else:
-                self.say(f"keep rule {name}: {'PASS' if c['pass'] else 'FAIL'}" + (f" (missing: {'; '.join(c['missing'])})"
-                                                                                   if c.get("missing") else ""))
-        sc = g["shortcut"]
-        self.say(f"keep rule: {g['verdict']} (best shortcut on {sc['split']}: {sc['name']} {sc['price_exact']}; chance "
-                 f"{g['chance']['exact']})")
-        sec = g["secondary"]
-        for q in ("success", "holds_frac"):
-            if q in sec and sec[q]["mean"] is not None:
-                x = sec[q]
-                self.say(f"secondary (not judged): joint - {sec['compared_with']} {q} mean {x['mean']:.3f} over {x['seeds']} seeds, "
-                         f"95% CI {x['ci95'][0]:.3f}..{x['ci95'][1]:.3f}: {x['ordering']}")
+                self.say(f"{rule} {name}: {'PASS' if c['pass'] else 'FAIL'}" + (f" (missing: {'; '.join(c['missing'])})"
+                                                                                if c.get("missing") else ""))
+        if self.gate_name == "pilot":
+            self.say(f"pilot rule: {g['verdict']}; final {g['split']} evaluation (not judged), holds / judged: " + "; ".join(
+                f"{arm} seed {k} {v['holds']}/{v['episodes_judged']}" for arm, seeds in g["final_eval"].items() for k, v in seeds.items()))
+        else:
+            sc = g["shortcut"]
+            self.say(f"keep rule: {g['verdict']} (best shortcut on {sc['split']}: {sc['name']} {sc['price_exact']}; chance "
+                     f"{g['chance']['exact']})")
+            sec = g["secondary"]
+            for q in ("success", "holds_frac"):
+                if q in sec and sec[q]["mean"] is not None:
+                    x = sec[q]
+                    self.say(f"secondary (not judged): joint - {sec['compared_with']} {q} mean {x['mean']:.3f} over {x['seeds']} "
+                             f"seeds, 95% CI {x['ci95'][0]:.3f}..{x['ci95'][1]:.3f}: {x['ordering']}")
         for name, code in report["trained_by"].items():
             self.say(f"trained by: {name} {code['commit']}{' (dirty tree)' if code['dirty'] is True else ''}")

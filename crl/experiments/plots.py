@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crl.experiments.keep_rule import KEEP_GATE, KEEP_SPLIT
+from crl.experiments.keep_rule import KEEP_GATE
 from crl.experiments.stats import iqm, iqm_ci
 from crl.io import atomic_write
 
@@ -57,9 +57,9 @@ def plot_curves(sweep, rows: list[dict], png: Path, title: str, chance: float | 
 
 def plot_keep(study, rows: list[dict], png: Path, title: str, chance: float | None) -> None:
     """Two panels, dev success and dev summary holds (``dev/success``, ``dev/summary_holds``) over iterations: per arm
-    every seed thin, the mean and the min-max band over seeds; right of the curves, each arm's final test values
-    (one dot per seed, a diamond at the mean with the min-max). Chance and the best shortcut's price on the
-    success panel, the rule's 1/2 on the holds panel."""
+    every seed thin, the mean and the min-max band over seeds; right of the curves, each arm's final evaluation
+    (``study.final_split``; one dot per seed, a diamond at the mean with the min-max). Chance and (keep rule) the best
+    shortcut's price on the success panel, the keep rule's 1/2 on the holds panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,13 +82,13 @@ def plot_keep(study, rows: list[dict], png: Path, title: str, chance: float | No
                 ax.plot(steps, [sum(v) / len(v) for v in vals], color=color, lw=2, marker="o", ms=3, label=f"{arm} (mean, n={len(curves)})")
                 ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.12)
             test = [v for v in map(finals[key], runs) if v is not None]
-            if test:  # the final test evaluation, right of the curves
+            if test:  # the final evaluation, right of the curves
                 x = last * (1.06 + 0.04 * i) + 0.5
                 m = sum(test) / len(test)
                 ax.scatter([x] * len(test), test, color=color, s=10, alpha=0.6)
                 ax.errorbar([x], [m], yerr=[[m - min(test)], [max(test) - m]], fmt="D", ms=5, color=color, capsize=2,
-                            label=f"final {KEEP_SPLIT} (seeds, mean, min-max)" if i == 0 else None)
-        ax.set_xlabel("iteration (right: final test evaluation)")
+                            label=f"final {study.final_split} (seeds, mean, min-max)" if i == 0 else None)
+        ax.set_xlabel(f"iteration (right: final {study.final_split} evaluation)")
         ax.set_ylabel(f"{label} (seeds, mean, min-max)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
@@ -97,7 +97,8 @@ def plot_keep(study, rows: list[dict], png: Path, title: str, chance: float | No
     shortcut = (getattr(study, "keep_result", None) or {}).get("shortcut")
     if shortcut:
         axes[0].axhline(shortcut["price"], color="black", ls=":", lw=1, label=f"best shortcut ({shortcut['name']}, test)")
-    axes[1].axhline(float(KEEP_GATE["joint_holds"]), color="black", ls=":", lw=1, label="rule: joint holds >= 1/2")
+    if study.gate_name == "keep":
+        axes[1].axhline(float(KEEP_GATE["joint_holds"]), color="black", ls=":", lw=1, label="rule: joint holds >= 1/2")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
