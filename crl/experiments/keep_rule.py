@@ -72,6 +72,25 @@ def run_missing(row: dict | None, iterations: int, split: str = KEEP_SPLIT) -> l
     return missing
 
 
+def _judged_checks(per: dict, bars: dict, upper: set, arms: dict, missing: list, complete_seeds: list) -> dict:
+    """A rule's checks from its per-seed judgements ``per`` (``{name: {seed: {"exact", "pass", ...}}}``): per check its
+    bar (``bars``; an upper bound for the names in ``upper``, a lower bound otherwise), the seed nearest failing, and a
+    pass only when every run is complete and every seed passes; then ``all_audits_pass`` and ``every_run_complete``
+    (naming what is ``missing``)."""
+    complete = not missing and bool(complete_seeds)
+    checks = {}
+    for name, bar in bars.items():
+        vals = [Fraction(v["exact"]) for v in per[name].values() if v["exact"] is not None]
+        worst = (max if name in upper else min)(vals, default=None)  # the seed nearest failing
+        checks[name] = {**_value(worst), "threshold": float(bar), "threshold_exact": exact(bar),
+                        "per_seed": per[name], "pass": complete and all(v["pass"] for v in per[name].values())}
+    audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
+    checks["all_audits_pass"] = {"value": audits, "threshold": True, "pass": audits}
+    checks["every_run_complete"] = {"value": complete, "threshold": True, "missing": missing or ([] if complete_seeds else ["no seed"]),
+                                    "pass": complete}
+    return checks
+
+
 def keep_gate(arms: dict, *, chance: Fraction, shortcut: dict, iterations: dict) -> dict | None:
     """:data:`KEEP_GATE` on every seed of the joint and frozen arms, in exact arithmetic on the final evaluations' counts.
 
@@ -118,19 +137,9 @@ def keep_gate(arms: dict, *, chance: Fraction, shortcut: dict, iterations: dict)
         margin = _ratio(je["successes"], je["episodes"]) - price
         per["joint_success_over_best_shortcut"][k] = {**_value(margin), "counts": f"{je['successes']}/{je['episodes']} - {exact(price)}",
                                                       "pass": margin >= KEEP_GATE["joint_success_over_best_shortcut"]}
-    complete = not missing and bool(complete_seeds)
-    checks = {}
-    for name, threshold in KEEP_GATE.items():
-        vals = [Fraction(v["exact"]) for v in per[name].values() if v["exact"] is not None]
-        worst = (max if name == "joint_success_not_holding_over_chance" else min)(vals, default=None)  # the seed nearest failing
-        bar = chance + threshold if name == "joint_success_not_holding_over_chance" else threshold
-        checks[name] = {**_value(worst), "threshold": float(bar), "threshold_exact": exact(bar),
-                        "per_seed": per[name], "pass": complete and all(v["pass"] for v in per[name].values())}
+    bars = {**KEEP_GATE, "joint_success_not_holding_over_chance": chance + KEEP_GATE["joint_success_not_holding_over_chance"]}
+    checks = _judged_checks(per, bars, {"joint_success_not_holding_over_chance"}, arms, missing, complete_seeds)
     checks["joint_success_over_best_shortcut"].update(shortcut=shortcut["name"], price_exact=shortcut["price_exact"])
-    audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
-    checks["all_audits_pass"] = {"value": audits, "threshold": True, "pass": audits}
-    checks["every_run_complete"] = {"value": complete, "threshold": True, "missing": missing or ([] if complete_seeds else ["no seed"]),
-                                    "pass": complete}
     return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks,
             "secondary": keep_secondary(arms), "shortcut": shortcut, "chance": {"value": float(chance), "exact": exact(chance)},
             "split": KEEP_SPLIT, "code": judged_code(arms)}
@@ -195,8 +204,9 @@ def pilot_gate(arms: dict, *, iterations: dict, summaries: dict, eos: str) -> di
         return None
     runs = {arm: arms[arm]["seeds"] for arm in ("joint", "frozen")}
     seeds = sorted(set(runs["joint"]) | set(runs["frozen"]), key=int)
-    missing = []
+    missing, complete_seeds = [], []
     for k in seeds:
+        seed_missing = []
         for arm in ("joint", "frozen"):
             row = runs[arm].get(k)
             problems = run_missing(row, iterations[arm], PILOT_SPLIT)
@@ -204,8 +214,9 @@ def pilot_gate(arms: dict, *, iterations: dict, summaries: dict, eos: str) -> di
                 problems += [f"no dev summary holds logged at iteration {it}" for it in (0, iterations[arm])
                              if _curve_holds(row, it) is None]
                 problems += [] if (summaries.get(arm) or {}).get(k) else ["no decoded summaries (export the run: --export DIR)"]
-            missing += [f"{arm} seed {k}: {m}" for m in problems]
-    complete_seeds = [k for k in seeds if not any(m.startswith((f"joint seed {k}:", f"frozen seed {k}:")) for m in missing)]
+            seed_missing += [f"{arm} seed {k}: {m}" for m in problems]
+        missing += seed_missing
+        complete_seeds += [] if seed_missing else [k]
 
     per = {name: {} for name in PILOT_GATE}
     for k in complete_seeds:
@@ -221,17 +232,7 @@ def pilot_gate(arms: dict, *, iterations: dict, summaries: dict, eos: str) -> di
         worst = min(Fraction(n, d) for n, d in formed.values())
         per["well_formed"][k] = {**_value(worst), "counts": ", ".join(f"{arm} {n}/{d}" for arm, (n, d) in formed.items()),
                                  "pass": worst >= PILOT_GATE["well_formed"]}
-    complete = not missing and bool(complete_seeds)
-    checks = {}
-    for name, threshold in PILOT_GATE.items():
-        vals = [Fraction(v["exact"]) for v in per[name].values()]
-        worst = (max if name == "frozen_holds_drift" else min)(vals, default=None)  # the seed nearest failing
-        checks[name] = {**_value(worst), "threshold": float(threshold), "threshold_exact": exact(threshold), "per_seed": per[name],
-                        "pass": complete and all(v["pass"] for v in per[name].values())}
-    audits = all(s["audit"] == "PASS" for a in arms.values() for s in a["seeds"].values())
-    checks["all_audits_pass"] = {"value": audits, "threshold": True, "pass": audits}
-    checks["every_run_complete"] = {"value": complete, "threshold": True, "missing": missing or ([] if complete_seeds else ["no seed"]),
-                                    "pass": complete}
+    checks = _judged_checks(per, PILOT_GATE, {"frozen_holds_drift"}, arms, missing, complete_seeds)
     final = {arm: {k: {key: ((r.get("final_eval") or {}).get("summary") or {}).get(key) for key in ("episodes_judged", "holds")}
                    for k, r in runs[arm].items()} for arm in runs}  # reported beside the rule, never judged
     return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks,
