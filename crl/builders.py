@@ -37,7 +37,7 @@ def build_suite(cfg, stage=None):
     n = e.n_records if length is None else length
     return SequentialRecordsSuite(n_records=n, distractor_rate=e.distractor_rate, n_keys=e.n_keys, n_values=e.n_values, seed=e.seed,
                                   extra_steps=e.extra_steps, early_submit=e.early_submit, invalid_command=e.invalid_command,
-                                  question_not_in_last=e.question_not_in_last,
+                                  question_not_in_last=e.question_not_in_last, asked_position=e.asked_position,
                                   compaction_steps=(e.compact_after_step,) if e.compact_after_step else ())
 
 

@@ -108,6 +108,9 @@ class EnvConfig:
     n_values: int = 10  # sequential records: values 0 .. n_values - 1 (a guess is right 1 / n_values of the time)
     # sequential records: the asked key's final write is never among the last m records (crl/envs/sequential_records.py)
     question_not_in_last: int = 0
+    # sequential records: key (the question draws a key the rule above allows) | uniform (the asked key's final write at
+    # a uniform position of 1 .. n_records - question_not_in_last, never written after it); crl/envs/sequential_records.py
+    asked_position: str = "key"
     # sequential records: a compaction forced right after the atomic step of this number (n_records: after the last
     # record, before the question; with invalid_command=fail no action can move it); null: the Eq. 7 budget alone
     compact_after_step: Optional[int] = None
@@ -479,6 +482,13 @@ def validate(cfg: Config) -> None:
     _need(e.compact_after_step is None or e.compact_after_step >= 1, "env.compact_after_step",
           f"must be >= 1 or null, got {e.compact_after_step}")
     _need(0.0 <= e.distractor_rate < 1.0, "env.distractor_rate", f"must be in [0, 1), got {e.distractor_rate}")
+    from crl.envs.sequential_records import ASKED_POSITIONS
+
+    _need(e.asked_position in ASKED_POSITIONS, "env.asked_position", f"must be one of {ASKED_POSITIONS}, got {e.asked_position!r}")
+    _need(e.asked_position == "key" or e.name == "sequential_records", "env.asked_position",
+          f"is a sequential_records knob; env.name is {e.name}")
+    _need(e.asked_position == "key" or e.n_keys >= 2, "env.asked_position",
+          f"'uniform' needs env.n_keys >= 2 (the records after the asked key's final write write other keys), got {e.n_keys}")
     if e.name == "sequential_records" and e.question_not_in_last:
         from crl.envs.sequential_records import askable_possible, unaskable
 

@@ -90,6 +90,10 @@ def summary_values(summary_text: str) -> dict[str, str]:
     return dict(_SUMMARY_PAIR.findall(summary_text))
 
 
+#: where the question's answer is written (:class:`SequentialRecordsSuite`'s ``asked_position``)
+ASKED_POSITIONS = ("key", "uniform")
+
+
 class SequentialRecordsEnv(TextEnv):
     """One episode of a :class:`RecordsTask`."""
 
@@ -156,7 +160,12 @@ class SequentialRecordsSuite(TaskSuite):
     ``accept`` it ends the episode before any compaction is needed), ``invalid_command`` (``observe`` | ``fail``,
     :mod:`crl.envs.base`), ``question_not_in_last`` (``m``: the asked key's final write is never among the last ``m``
     records: the question draws among the keys finalised before them, and a task where no key is redraws its records;
-    so a summary that copies the last ``m`` records holds nothing the question asks), ``compaction_steps`` (atomic
+    so a summary that copies the last ``m`` records holds nothing the question asks), ``asked_position`` (``key``: the
+    question draws a key among those ``question_not_in_last`` allows, so the asked key's final write sits where
+    the records happened to leave it, usually just before the last ``m`` records; ``uniform``: the record that writes
+    the asked key's final value is drawn uniformly from ``1 … n_records - m`` and no later record writes that key, so
+    a summary that copies any fixed ``j`` record positions holds it on about ``j / (n_records - m)`` of the tasks:
+    :mod:`crl.experiments.records_shortcuts` prices the best such copy), ``compaction_steps`` (atomic
     steps after which a compaction is forced, e.g. ``(n_records,)``: right after the last record, whatever the
     context's length; default none, the Eq. 7 budget alone).
     """
@@ -177,6 +186,7 @@ class SequentialRecordsSuite(TaskSuite):
         invalid_command: str = "observe",
         question_not_in_last: int = 0,
         compaction_steps: tuple[int, ...] = (),
+        asked_position: str = "key",
     ):
         if n_records < 1:
             raise ValueError(f"n_records must be >= 1, got {n_records}")
@@ -191,6 +201,11 @@ class SequentialRecordsSuite(TaskSuite):
             raise ValueError(f"n_keys must be in [1, {len(KEYS)}], got {n_keys}")
         if not 2 <= n_values <= 10:
             raise ValueError(f"n_values must be in [2, 10], got {n_values}")
+        if asked_position not in ASKED_POSITIONS:
+            raise ValueError(f"asked_position must be one of {ASKED_POSITIONS}, got {asked_position!r}")
+        if asked_position == "uniform" and n_keys < 2:
+            raise ValueError("asked_position='uniform' needs n_keys >= 2: the records after the asked key's final write "
+                             "write other keys")
         if question_not_in_last and not askable_possible(n_keys, distractor_rate):
             raise ValueError(unaskable(n_keys, question_not_in_last))
         super().__init__(seed=seed, split_sizes=split_sizes, extra_steps=extra_steps, disjoint_splits=disjoint_splits,
@@ -202,30 +217,14 @@ class SequentialRecordsSuite(TaskSuite):
         self.n_values = n_values
         self.question_not_in_last = question_not_in_last
         self.compaction_steps = compaction_steps
+        self.asked_position = asked_position
 
     def _make_task(self, task_id: str, split: str, index: int, rng: random.Random) -> RecordsTask:
         keys = rng.sample(KEYS, self.n_keys)
-        while True:  # redrawn until some key's final write lies before the last question_not_in_last records
-            values: dict[str, str] = {}
-            final_write: dict[str, int] = {}
-            items, updates = [], []
-            for i in range(1, self.n_records + 1):
-                key = rng.choice(keys)
-                value = str(rng.randrange(self.n_values))
-                if i > 1 and rng.random() < self.distractor_rate:
-                    while value == values.get(key):
-                        value = str(rng.randrange(self.n_values))
-                    items.append(f"record {i} : ignore key {key} = {value}")
-                    updates.append(None)
-                else:
-                    items.append(f"record {i} : key {key} = {value}")
-                    updates.append((key, value))
-                    values[key] = value
-                    final_write[key] = i
-            askable = sorted(k for k, i in final_write.items() if i <= self.n_records - self.question_not_in_last)
-            if askable:
-                break
-        asked = rng.choice(askable)
+        if self.asked_position == "uniform":
+            items, updates, values, asked = self._records_asked_at_uniform_position(keys, rng)
+        else:
+            items, updates, values, asked = self._records_asking_a_finalised_key(keys, rng)
         prompt = (
             f"there are {self.n_records} records . each record sets a key to a value unless it says ignore . "
             "after the last record next shows the question . submit the final value of the asked key ."
@@ -240,6 +239,49 @@ class SequentialRecordsSuite(TaskSuite):
             answer=values[asked],
             updates=tuple(updates),
         )
+
+    def _record(self, i: int, key: str, values: dict, rng: random.Random, *, update_only: bool = False):
+        """Record ``i`` for ``key``: ``(text, update or None)``; a distractor (``distractor_rate``, never record 1 nor
+        ``update_only``) carries a value other than the key's current one. ``values`` follows the updates."""
+        value = str(rng.randrange(self.n_values))
+        if i > 1 and not update_only and rng.random() < self.distractor_rate:
+            while value == values.get(key):
+                value = str(rng.randrange(self.n_values))
+            return f"record {i} : ignore key {key} = {value}", None
+        values[key] = value
+        return f"record {i} : key {key} = {value}", (key, value)
+
+    def _records_asked_at_uniform_position(self, keys, rng: random.Random):
+        """``asked_position='uniform'``: the asked key's final write at a uniform position ``p``; later records write
+        (or distract with) the other keys only."""
+        asked = rng.choice(keys)
+        p = rng.randint(1, self.n_records - self.question_not_in_last)
+        others = [k for k in keys if k != asked]
+        values: dict[str, str] = {}
+        items, updates = [], []
+        for i in range(1, self.n_records + 1):
+            key = asked if i == p else rng.choice(keys if i < p else others)
+            text, update = self._record(i, key, values, rng, update_only=i == p)
+            items.append(text)
+            updates.append(update)
+        return items, updates, values, asked
+
+    def _records_asking_a_finalised_key(self, keys, rng: random.Random):
+        """``asked_position='key'``: uniform records; the question draws among the keys whose final write lies before
+        the last ``question_not_in_last`` records (redrawn until there is one)."""
+        while True:  # redrawn until some key's final write lies before the last question_not_in_last records
+            values: dict[str, str] = {}
+            final_write: dict[str, int] = {}
+            items, updates = [], []
+            for i in range(1, self.n_records + 1):
+                text, update = self._record(i, rng.choice(keys), values, rng)
+                items.append(text)
+                updates.append(update)
+                if update is not None:
+                    final_write[update[0]] = i
+            askable = sorted(k for k, i in final_write.items() if i <= self.n_records - self.question_not_in_last)
+            if askable:
+                return items, updates, values, rng.choice(askable)
 
     def make_env(self, task: RecordsTask) -> SequentialRecordsEnv:
         return SequentialRecordsEnv(task, self.max_steps(task), **self.rules())

@@ -15,6 +15,12 @@ values; a reader that holds nothing about ``a`` guesses uniformly (``1 / V``).
   there is its final one), else a guess.
 * ``first_k_records``: the first ``k`` updates with their keys: ``a``'s last value among them when ``a`` is there (right
   only if ``a`` is not written again later), else a guess.
+* ``best_j_positions``: the records at a fixed set of at most ``j`` positions (the same positions on every task) with
+  their keys, read as ``first_k_records`` is: the set worth most on the train split (:func:`best_positions`), priced
+  on each split.
+  ``first_k`` / ``last_k`` are two of these sets. ``j`` is what a summary can copy: the most ``key = value`` pairs the
+  summary budget holds in the format the summaries are taught (:func:`budget_records`); a study whose best
+  positional copy is worth about the answer cannot tell keeping from copying.
 * ``kept_tail``: no summary, only what the resume context shows: the ``keep_recent`` records before a forced
   compaction after step ``c`` and every record after it (None when the compaction point is the Eq. 7 budget's,
   which depends on token lengths: force it, ``env.compact_after_step``).
@@ -33,8 +39,9 @@ from __future__ import annotations
 
 from collections import Counter
 from fractions import Fraction
+from itertools import combinations
 
-__all__ = ["RECENCY", "shortcut_prices", "prices_table", "exact"]
+__all__ = ["RECENCY", "best_positions", "budget_records", "positions_price", "shortcut_prices", "prices_table", "exact"]
 
 #: shortcuts that keep only the most recent records or values (``k`` up to the task's ``question_not_in_last``)
 RECENCY = ("last_value", "last_k_values", "last_k_records", "kept_tail")
@@ -90,11 +97,59 @@ def task_prices(task, n_values: int, *, ks=(1, 2, 3), early_submit: str = "accep
     return out
 
 
+def positions_price(tasks, n_values: int, kept) -> Fraction:
+    """The mean price of copying the records at positions ``kept`` (1-based, the same on every task), read as
+    ``first_k_records`` is: the asked key's last value among them, else a guess."""
+    kept, g = set(kept), Fraction(1, n_values)
+    total = Fraction(0)
+    for t in tasks:
+        total += _pairs_reader([r for r in _updates(t) if r[0] in kept], _asked(t), t.answer, g)
+    return total / len(tasks)
+
+
+def best_positions(tasks, n_values: int, j: int) -> tuple[int, ...]:
+    """The copy of at most ``j`` fixed record positions worth most on ``tasks`` (1-based positions; the first best in
+    order of size, then lexicographic): exhaustive over the ``sum_{i<=j} C(n_records, i)`` sets. Chosen on the train
+    split by :func:`prices_table`, as a policy could learn it, and priced on every split (a set chosen on the judged
+    split itself would be worth more there by selection alone)."""
+    n_records, g = len(tasks[0].updates), Fraction(1, n_values)
+    # per task: the positions of the asked key's writes, each with whether its value is the answer
+    writes = [[(p, v == t.answer) for p, k, v in _updates(t) if k == _asked(t)] for t in tasks]
+    best, where = Fraction(-1), ()
+    for size in range(1, min(j, n_records) + 1):
+        for kept in combinations(range(1, n_records + 1), size):
+            total = Fraction(0)
+            for w in writes:
+                mine = [right for p, right in w if p in kept]
+                total += Fraction(int(mine[-1])) if mine else g
+            if total > best:
+                best, where = total, kept
+    return where
+
+
 def shortcut_prices(tasks, n_values: int, **kwargs) -> dict[str, Fraction]:
     """The mean of :func:`task_prices` over ``tasks`` (units: expected fraction of tasks succeeded), exact: a gate
     compares integer episode counts with it without float rounding (:func:`exact`)."""
     rows = [task_prices(t, n_values, **kwargs) for t in tasks]
     return {key: sum((r[key] for r in rows), Fraction(0)) / len(rows) for key in rows[0]}
+
+
+def budget_records(cfg) -> int:
+    """How many records a summary can copy within ``compaction.max_summary_tokens``: the most ``key = value`` pairs,
+    joined as :func:`crl.envs.sequential_records.summarize` joins them (the format the warm start teaches and
+    :func:`~crl.envs.sequential_records.well_formed` checks), that fit the budget in the run's tokenizer, for the key
+    whose pair is shortest (a summary cut at the budget after a whole pair needs no EOS)."""
+    from crl.builders import build_tokenizer
+    from crl.envs.sequential_records import KEYS
+
+    codec, budget = build_tokenizer(cfg), cfg.compaction.max_summary_tokens
+    fits = 0
+    for key in KEYS:
+        j = 0
+        while len(codec.encode(" , ".join([f"{key} = 0"] * (j + 1)))) <= budget:
+            j += 1
+        fits = max(fits, j)
+    return fits
 
 
 def exact(value: Fraction) -> str:
@@ -109,7 +164,9 @@ def is_recency(name: str) -> bool:
 
 def prices_table(cfg, splits=("train", "dev", "test")) -> dict:
     """Every split's prices for the sequential-records task of ``cfg`` (its suite, its ``early_submit``, its forced
-    compaction and ``compaction.keep_recent``), ``k`` up to ``max(3, env.question_not_in_last)``, plus per split
+    compaction and ``compaction.keep_recent``), ``k`` up to ``max(3, env.question_not_in_last, j)`` and the best copy of
+    ``j`` fixed positions (chosen on the train split), ``j`` the records the summary budget fits
+    (:func:`budget_records`), plus per split
     ``chance``, the recency shortcuts' maximum, the best shortcut but ``everything`` (with its exact price: the bar
     a study's rule adds its margin to) and which shortcuts lie above ``chance + 0.05``. Floats, and ``*_exact``
     ``"num/den"`` strings of the same fractions."""
@@ -118,13 +175,16 @@ def prices_table(cfg, splits=("train", "dev", "test")) -> dict:
     if cfg.env.name != "sequential_records":
         raise ValueError(f"env.name is {cfg.env.name!r}: the shortcut prices are for sequential_records tasks")
     suite = build_suite(cfg)
-    ks = tuple(range(1, max(3, cfg.env.question_not_in_last) + 1))
+    j = budget_records(cfg)
+    ks = tuple(range(1, max(3, cfg.env.question_not_in_last, j) + 1))
     kwargs = dict(ks=ks, early_submit=cfg.env.early_submit, compact_after=cfg.env.compact_after_step,
                   keep_recent=cfg.compaction.keep_recent)
+    where = best_positions(suite.tasks("train"), suite.n_values, j)
     rows = {}
     for split in splits:
         tasks = suite.tasks(split)
         prices = shortcut_prices(tasks, suite.n_values, **kwargs)
+        prices[f"best_{j}_positions"] = positions_price(tasks, suite.n_values, where)
         chance = prices["guess"]
         recency = {k: v for k, v in prices.items() if is_recency(k)}
         best = max((k for k in prices if k != "everything"), key=prices.get)
@@ -135,6 +195,8 @@ def prices_table(cfg, splits=("train", "dev", "test")) -> dict:
                        "above_chance_plus_0.05": sorted(k for k, v in prices.items() if v > chance + Fraction(1, 20) and k != "everything")}
     return {"env": {"n_records": suite.n_records, "n_keys": suite.n_keys, "n_values": suite.n_values,
                     "distractor_rate": suite.distractor_rate,
-                    "question_not_in_last": suite.question_not_in_last, "early_submit": cfg.env.early_submit,
+                    "question_not_in_last": suite.question_not_in_last, "asked_position": suite.asked_position,
+                    "max_summary_tokens": cfg.compaction.max_summary_tokens, "budget_records": j,
+                    "best_positions": list(where), "early_submit": cfg.env.early_submit,
                     "compact_after_step": cfg.env.compact_after_step, "keep_recent": cfg.compaction.keep_recent},
             "ks": list(ks), "splits": rows}
