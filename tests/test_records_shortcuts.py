@@ -12,7 +12,8 @@ import pytest
 
 from crl.config import load_config
 from crl.envs.sequential_records import SequentialRecordsSuite
-from crl.experiments.records_shortcuts import is_recency, prices_table, shortcut_prices
+from crl.experiments.records_shortcuts import (best_positions, budget_records, is_recency, positions_price, prices_table,
+                                              shortcut_prices)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -112,6 +113,89 @@ def test_the_prices_equal_what_partial_memories_score_in_the_environment(n_keys,
         assert got[name] == pytest.approx(want[name]), name
     assert got["guess"] == pytest.approx(1 / 6) and got["everything"] == 1.0 and got["early_submit"] > 1 / 6
     assert 1 / 6 < got["final_values"] < 1.0  # neither trivial nor useless on these tasks
+
+
+@pytest.mark.parametrize("asked_position", ["key", "uniform"])
+def test_a_copy_of_fixed_positions_is_priced_as_the_environment_scores_it(asked_position):
+    """Every set of at most 2 record positions: the price equals the environment's expected reward for a reader of the
+    records shown at those positions; the best set is the one the brute force finds best (ties: the first)."""
+    from itertools import combinations
+
+    suite = SequentialRecordsSuite(n_records=6, n_keys=3, distractor_rate=0.2, seed=5, n_values=5, asked_position=asked_position,
+                                   split_sizes={"train": 24, "dev": 6, "test": 6})
+    tasks = suite.tasks("train")
+    scored = {}
+    for size in (1, 2):
+        for kept in combinations(range(1, 7), size):
+            want = 0.0
+            for task in tasks:
+                seen, asked = _records(suite.make_env(task))
+                want += _expected(suite, task, _read([r for r in seen if r[0] in kept], asked, suite.n_values))
+            scored[kept] = want / len(tasks)
+            assert float(positions_price(tasks, suite.n_values, kept)) == pytest.approx(scored[kept]), kept
+    top = max(scored.values())
+    assert best_positions(tasks, suite.n_values, 2) == next(k for k, v in scored.items() if v == pytest.approx(top))
+
+
+def test_the_summary_budget_bounds_the_copies_priced():
+    """budget_records counts ``key = value`` pairs, joined by `` , ``, in the run's tokenizer: the project's word tokenizer
+    reads each word as one token (j pairs: 4 j - 1 tokens); the table prices first/last-k copies up to it and the best
+    copy of that many positions, chosen on train."""
+    base = ["env.name=sequential_records", "env.n_records=8", "env.n_keys=4", "env.distractor_rate=0.0", "env.compact_after_step=8"]
+    for budget, pairs in ((3, 1), (7, 2), (10, 2), (11, 3), (24, 6)):
+        cfg = load_config(ROOT / "configs" / "default.yaml", [*base, f"compaction.max_summary_tokens={budget}"])
+        assert budget_records(cfg) == pairs, budget
+    cfg = load_config(ROOT / "configs" / "default.yaml", [*base, "compaction.max_summary_tokens=11"])
+    table = prices_table(cfg, splits=("dev",))
+    assert table["env"]["budget_records"] == 3 and table["ks"] == [1, 2, 3]
+    kept = tuple(table["env"]["best_positions"])
+    assert 1 <= len(kept) <= 3
+    suite = SequentialRecordsSuite(n_records=8, n_keys=4, distractor_rate=0.0, seed=0)
+    assert kept == best_positions(suite.tasks("train"), suite.n_values, 3)
+    assert table["splits"]["dev"]["prices"]["best_3_positions"] == pytest.approx(float(positions_price(suite.tasks("dev"), 10, kept)))
+
+
+@pytest.mark.real_model
+def test_smollm2_budgets_hold_the_pairs_the_configs_say(smollm2_dir):
+    """With SmolLM2's tokenizer a taught-format pair is 5 tokens (4 for the first): lm_keep2's 24 tokens hold 5 pairs (the
+    first_5_records copy that passes its task) and lm_keep3's 16 hold its 3 keys' pairs with EOS (``pink`` first
+    included) but not a fourth."""
+    from crl.builders import build_tokenizer
+
+    cfg2 = load_config(ROOT / "configs" / "lm_keep2" / "joint.yaml", [f"model.preset={smollm2_dir}"])
+    cfg3 = load_config(ROOT / "configs" / "lm_keep3" / "joint.yaml", [f"model.preset={smollm2_dir}"])
+    assert (budget_records(cfg2), budget_records(cfg3)) == (5, 3)
+    encode = build_tokenizer(cfg3).encode
+    assert len(encode("pink = 3 , blue = 5 , green = 1")) + 1 <= 16 < len(encode("red = 3 , blue = 5 , green = 1 , gray = 0"))
+
+
+def test_a_uniform_asked_position_spreads_the_answer_over_the_records():
+    """asked_position=uniform: over 3 seeds x 360 tasks, the asked key's final write is at every position of
+    1 .. n_records - m about equally often (each within 1/2 and 3/2 of its share), and no later record writes it."""
+    n, m = 8, 2
+    positions = Counter()
+    for seed in (0, 1, 2):
+        suite = SequentialRecordsSuite(n_records=n, n_keys=3, distractor_rate=0.25, question_not_in_last=m, seed=seed,
+                                       asked_position="uniform")
+        for split in ("train", "dev", "test"):
+            for task in suite.tasks(split):
+                env = suite.make_env(task)
+                p = env.answer_position
+                positions[p] += 1
+                assert task.updates[p - 1] == (env.asked_key, task.answer)
+                assert all(u is None or u[0] != env.asked_key for u in task.updates[p:])
+    share = sum(positions.values()) / (n - m)
+    assert set(positions) == set(range(1, n - m + 1)) and all(share / 2 < c < 3 * share / 2 for c in positions.values())
+    with pytest.raises(ValueError, match="asked_position must be one of"):
+        SequentialRecordsSuite(asked_position="middle")
+    with pytest.raises(ValueError, match="needs n_keys >= 2"):
+        SequentialRecordsSuite(n_keys=1, asked_position="uniform")
+    from crl.config import ConfigValidationError
+
+    with pytest.raises(ConfigValidationError, match=r"env.asked_position: must be one of"):
+        load_config(ROOT / "configs" / "default.yaml", ["env.name=sequential_records", "env.asked_position=last"])
+    with pytest.raises(ConfigValidationError, match=r"env.asked_position: 'uniform' needs env.n_keys >= 2"):
+        load_config(ROOT / "configs" / "default.yaml", ["env.name=sequential_records", "env.n_keys=1", "env.asked_position=uniform"])
 
 
 def test_early_submit_fail_prices_it_at_zero():

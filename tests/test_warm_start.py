@@ -311,17 +311,20 @@ def test_draws_of_one_length_keeps_the_most_common_length_and_leaves_aligned_dra
     assert len(mixed) == 20 and {len(d) for d in mixed} == {3}
 
 
-def test_a_key_of_two_tokens_no_longer_leaves_the_summary_untrained():
+@pytest.mark.parametrize("budget", [12, 8])
+def test_a_key_of_two_tokens_no_longer_leaves_the_summary_untrained(budget):
     """SmolLM2 splits ``pink`` at a summary's start into two tokens (``p`` ``ink``); imitated here on the word
     tokenizer by doubling ``pink``'s token. A draw set holding such a summary used to mask every position but the stop
     token: the first key was never taught (the warm-started SmolLM2 wrote ``next`` as its summary). Now every
-    summary's first position is a set of keys and its ``=`` / ``,`` are trained."""
+    summary's first position is a set of keys and its ``=`` / ``,`` are trained. Budget 8 cuts a pink-first draw
+    (8 tokens) to the 7 of the others: draws are matched by length before the cut, else its shifted tokens joined the
+    others' sets (a digit allowed where ``,`` belongs: the warm-started SmolLM2 wrote ``blue = 532878300000``)."""
     from crl.envs import SequentialRecordsSuite
 
     pink = TOK.convert_tokens_to_ids("pink")
     split = lambda text: [t for i in encode(text) for t in ([i, i] if i == pink else [i])]  # noqa: E731
     suite = SequentialRecordsSuite(n_records=4, n_keys=2, distractor_rate=0.0, split_sizes={"train": 20, "dev": 2, "test": 2})
-    cfg = CompactionConfig(context_capacity=512, min_remaining=48, max_summary_tokens=12, forced_steps=(4,))
+    cfg = CompactionConfig(context_capacity=512, min_remaining=48, max_summary_tokens=budget, forced_steps=(4,))
     batch = demonstration_batch(suite, CompactionEngine(cfg, split, eos_id=EOS_ID), split, EOS_ID, 6, random.Random(0), "format", 128)
     prov, mask, tokens, alt = batch["provenance"], batch["loss_mask"], batch["tokens"], batch["content_alternatives"]
     keys = set(TOK.convert_tokens_to_ids(["red", "blue", "green", "yellow", "white", "black", "gray"]))

@@ -113,7 +113,9 @@ def demonstration_batch(
             """Resume from the correct summary, frozen; train a format-only summary segment beside it."""
             correct = oracle_summary_ids(env, ctx, encode, eos_id)
             n_draws = format_draws if as_set else FORMAT_DRAWS
-            draws = draws_of_one_length(lambda: list(encode(env.format_only_summary(rng)))[: ctx.summary_budget - 1] + [eos_id], n_draws)
+            # one length before the cut to the budget: cut draws of two lengths (a two-token key) would align wrongly
+            drawn = draws_of_one_length(lambda: list(encode(env.format_only_summary(rng))), n_draws)
+            draws = [d[: ctx.summary_budget - 1] + [eos_id] for d in drawn]
             shaped = draws[0]
             row = build_episode([ctx.summary_segment(shaped, [0.0] * len(shaped))], 0, 0.0, EpisodeStatus.TRUNCATED)
             if summary_content != "random":
