@@ -6,7 +6,8 @@
   trained through the episode contract, :class:`~crl.objectives.CrossTrajectoryGAE` and
   :class:`~crl.objectives.CompactionPPOLoss`; run by ``scripts/tabular_chain.py``, reported in docs/tabular_chain.md.
 * :mod:`crl.experiments.sweep` — the multi-seed runner: every (config, seed, CPU kernel) an ordinary training run,
-  audited, reported (:mod:`~crl.experiments.sweep_report`) with rliable's statistics (:mod:`~crl.experiments.stats`);
+  audited, reported (:mod:`~crl.experiments.sweep_report`) with rliable's statistics (:mod:`~crl.experiments.stats`),
+  reusing only runs saved with the settings it would launch (:mod:`~crl.experiments.same_settings`);
   what it reads from a run directory: :mod:`~crl.experiments.run_files`; the float paths: :mod:`~crl.experiments.kernels`.
   Run by ``scripts/sweep.py`` and ``scripts/lm_study.py``.
 * :mod:`crl.experiments.lm_study` — the LM studies on top of the sweep: arms x seeds, a warm start shared per seed, the

@@ -64,15 +64,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from crl.config import Config, ConfigValidationError, load_config, to_dict  # (pure: no torch)
+from crl.config import ConfigValidationError, load_config  # (pure: no torch)
 from crl.experiments.exports import carry_rows
 from crl.experiments.kernels import KERNELS, TRAIN, capability_under
-from crl.experiments.run_files import (AUDITOR, LOCATION_KEYS, ROOT, audit_covers_metrics, audit_current, final_eval_record, read_audit,
+from crl.experiments.run_files import (AUDITOR, ROOT, audit_covers_metrics, audit_current, final_eval_record, read_audit,
                                        read_run, read_timing, rel)
+from crl.experiments.same_settings import SameSettings
 from crl.experiments.sweep_report import SweepReport
 from crl.io import atomic_write_json
 from crl.provenance import UNKNOWN, git_state
-from crl.run_dir import config_diff
 
 #: Overrides of ``--quick``: 2 iterations of 16 episodes, evaluated (8 dev episodes) and checkpointed at every
 #: iteration, a 100-step warm start. The audit needs finite, non-zero actor grad norms, i.e. some non-zero rewards:
@@ -101,10 +101,11 @@ def parse_seeds(specs) -> list[int]:
     return seeds
 
 
-class Sweep(SweepReport):
+class Sweep(SameSettings, SweepReport):
     """The runner. ``arms``: ``{name: config file}``; ``overrides``: for every run (after ``run_dir`` and
     ``train.seed``). Subclasses (``scripts/lm_study.py``) change the run names (:meth:`run_name`), add per-run
-    overrides (:meth:`extra_overrides`), and the report (:meth:`report`, :meth:`conclude`)."""
+    overrides (:meth:`extra_overrides`), and the report (:meth:`report`, :meth:`conclude`). Which run directories it
+    may reuse: :class:`~crl.experiments.same_settings.SameSettings`."""
 
     name = "sweep"
 
@@ -178,51 +179,6 @@ class Sweep(SweepReport):
             except ConfigValidationError as err:
                 raise SystemExit(f"{self.name}: arm {arm} ({path}): config error: {err}") from None
         return cfgs
-
-    def config_changes(self, job) -> list[str]:
-        """``["key: saved -> now", ...]``: how the config saved in the job's run directory (``config.yaml``, written by
-        the trainer) differs from the one the sweep would launch, :data:`LOCATION_KEYS` aside; a key the saved config
-        lacks counts as its default (:func:`crl.run_dir.config_diff`). [] when nothing was saved."""
-        saved = self.run_dir(job) / "config.yaml"
-        return self.recipe_changes(job, saved.read_bytes()) if saved.is_file() else []
-
-    def recipe_changes(self, job, saved: bytes) -> list[str]:
-        """``["key: saved -> now", ...]``: how a run's saved ``config.yaml`` (its bytes) differs from the config the sweep
-        would launch for ``job``, :data:`LOCATION_KEYS` aside; a key the saved config lacks counts as its default
-        (:func:`crl.run_dir.config_diff`). A file that does not parse is a difference too, never a silent match."""
-        from omegaconf import OmegaConf
-
-        try:
-            stored = OmegaConf.to_container(OmegaConf.create(saved.decode()), resolve=True)
-        except Exception as err:  # a torn or foreign file
-            return [f"config.yaml unreadable ({type(err).__name__}: {err})"]
-        if not isinstance(stored, dict):
-            return [f"config.yaml holds a {type(stored).__name__}, not a config"]
-        now = to_dict(load_config(self.arms[job[0]], self.run_overrides(job)))
-        return config_diff(stored, now, ignore=LOCATION_KEYS, defaults=to_dict(Config()))
-
-    def check_reuse(self) -> None:
-        """Refuse, before anything trains, a run directory saved with other settings than the sweep would launch (its
-        results would be reported under the new ones): one line naming the run and the differing keys. With
-        ``force``, each such run is moved aside (``DIR/replaced/NAME.TIMESTAMP``, its timing file with it) and trains
-        afresh."""
-        changed = {job: diff for job in self.jobs if (diff := self.config_changes(job))}
-        if not changed:
-            return
-        if not self.force:
-            job, diff = next(iter(changed.items()))
-            more = f" (and {len(changed) - 1} more run(s))" if len(changed) > 1 else ""
-            raise SystemExit(f"{self.name}: {self.run_dir(job)} was run with other settings than this sweep would launch{more}; "
-                             f"differing keys: {'; '.join(diff)}. Use another --out, the run's own settings, or --force to rerun it")
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        for job, diff in changed.items():
-            aside = self.out / "replaced" / f"{self.run_name(*job)}.{stamp}"
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            self.run_dir(job).rename(aside)
-            timing = self.log_base(job).with_suffix(".json")
-            if timing.is_file():
-                timing.rename(aside / "timing.json")
-            self.say(f"--force: {self.label(*job)} was run with other settings ({'; '.join(diff)}); moved to {aside}, rerunning it")
 
     # -------------------------------------------------------------------------------- provenance
     def record_launch(self, job) -> None:
