@@ -12,6 +12,8 @@ no critic step of its own; through ``scripts/train.py``: a resumed run equals an
 import json
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -300,3 +302,47 @@ def test_values_in_the_policy_step_are_refused_where_a_row_needs_its_siblings():
         ppo = PPOUpdate.__new__(PPOUpdate)
         ppo.cfg, ppo.models = cfg, type("M", (), {"shared_trunk": True})()
         assert ppo.values_from_policy_step is expected, extra
+
+
+def test_a_critic_only_step_weighs_the_value_loss_by_critic_coef_as_a_policy_step_does(tmp_path):
+    """``critic/loss_critic`` means one thing in every step of a shared trunk: the value loss times ``algo.critic_coef``.
+    Two runs that differ only in critic_coef (0.5 and 1.0: the same seeded weights and batch): the value loss logged by
+    a critic-only step (the warm-up's) halves, and so does the policy step's."""
+    logged = {}
+    for coef in (1.0, 0.5):
+        for step in ("critic", "policy"):
+            trainer = _trainer(tmp_path / f"{coef}_{step}", f"algo.critic_coef={coef}")
+            try:
+                batch = trainer.compute_advantages(trainer.collect(), 0)
+                trainer.ppo.reset_report()
+                trainer.ppo.update_critic(batch) if step == "critic" else trainer.ppo.update_policy(batch, 0)
+                logged[coef, step] = float(np.mean(trainer.ppo.report.critic.loss_critic))
+            finally:
+                trainer.close()
+    assert logged[1.0, "critic"] > 0 and logged[1.0, "policy"] > 0
+    for step in ("critic", "policy"):
+        assert logged[0.5, step] == pytest.approx(0.5 * logged[1.0, step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("target_kl", [None, 1e-9])
+def test_learner_passes_count_the_forwards_that_ran_even_when_the_kl_bound_stops_the_update(tmp_path, target_kl):
+    """``perf/learner_tokens_per_s`` counts the policy's passes over the batch (``report.policy_forwards``, in passes).
+    Counted independently, by the policy loss's forwards (one per micro-batch: 2 a step, a step 1/2 of the batch, so a
+    pass is 4 of them): the same with the KL bound (the second step's forward measures the first's excess, is dropped,
+    and the update ends) as without it (2 steps and the no-grad KL forward over the last one's rows)."""
+    trainer = _trainer(tmp_path, "train.policy_minibatches=2", "train.micro_batches=2",
+                       *([f"algo.target_kl={target_kl}"] if target_kl else []))
+    try:
+        batch = trainer.compute_advantages(trainer.collect(), 0)
+        calls = []
+        hook = trainer.ppo.policy_loss.register_forward_pre_hook(lambda module, args: calls.append(1))
+        try:
+            trainer.ppo.reset_report()
+            trainer.ppo.update_policy(batch, 0)
+        finally:
+            hook.remove()
+        report = trainer.ppo.report
+        assert bool(report.kl_stop) == (target_kl is not None) and len(calls) == (4 if target_kl else 6)
+        assert report.policy_forwards == pytest.approx(len(calls) / 4)
+    finally:
+        trainer.close()
