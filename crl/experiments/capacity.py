@@ -1,4 +1,4 @@
-"""What a policy can keep when told: two references for a keep task, measured before any RL (issue 58).
+"""What a policy can keep when told: two references for a keep task, measured before any RL.
 
 RL can only teach a summary what the model and its adapters can write. Two supervised fits give the ceiling a
 recipe's RL run is judged against, each with the episode count an RL run sees (``--episodes``):
@@ -53,7 +53,8 @@ def oracle_summary_rows(suite, engine, encode, eos_id: int, tasks) -> list:
 
         play_oracle_episode(env, ctx, encode, eos_id, summarize)
         if not found:
-            raise ValueError(f"task {task.task_id}: the oracle's episode never compacts; a keep task needs a compaction (env.compact_after_step)")
+            raise ValueError(f"task {task.task_id}: the oracle's episode never compacts; a keep task needs a compaction "
+                             "(env.compact_after_step)")
         rows += found
     return rows
 
@@ -65,7 +66,8 @@ def summary_nll(actor, batch) -> torch.Tensor:
     return -(out["log_prob"] * batch["loss_mask"]).sum()
 
 
-def fit_steps(actor, optimizer, params, rows: list, batch_size: int, micro_rows: int, rng: random.Random, max_grad_norm: float = 1.0) -> list[float]:
+def fit_steps(actor, optimizer, params, rows: list, batch_size: int, micro_rows: int, rng: random.Random,
+              max_grad_norm: float = 1.0) -> list[float]:
     """One pass over ``rows`` (shuffled by ``rng``) in steps of ``batch_size`` rows: the mean NLL per optimized token of
     each step (its micro-batches of ``micro_rows`` rows accumulate one gradient), clipped, one Adam step. Returns the
     steps' mean NLLs."""
@@ -171,7 +173,8 @@ def plot(results: list[dict], path: Path, threshold: float) -> None:
     for r in results:
         x = [c["trained_episodes"] for c in r["dev"]]
         line, = ax.plot(x, [c["holds_frac"] for c in r["dev"]], marker="o", label=f"{r['reference']} (dev)")
-        ax.scatter([r["episodes"]], [r["test"]["holds_frac"]], marker="*", s=160, color=line.get_color(), label=f"{r['reference']} (test, final)")
+        ax.scatter([r["episodes"]], [r["test"]["holds_frac"]], marker="*", s=160, color=line.get_color(),
+                   label=f"{r['reference']} (test, final)")
     ax.axhline(threshold, ls=":", color="gray", label=f"capacity bar {threshold}")
     ax.set_xlabel("training episodes")
     ax.set_ylabel("summary holds the asked key's final value")
