@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = []
     for name in args.references:
-        cfg = load_config(args.config, [*args.set, f"run_dir={Path(args.runs) / name}", "checkpoint.resume=never", "logging.wandb_mode=disabled"])
+        cfg = load_config(args.config, [*args.set, f"run_dir={Path(args.runs) / name}", "checkpoint.resume=never",
+                                        "logging.wandb_mode=disabled"])
         result = run_reference(name, cfg, episodes=args.episodes, batch_size=args.batch_size, lr=args.lr, micro_rows=args.micro_rows,
                                evals=args.evals, dev_episodes=args.dev_episodes, final_episodes=args.final_episodes, seed=args.seed)
         t = result["test"]
@@ -52,7 +53,8 @@ def main(argv=None) -> int:
         results.append(result)
         write_report(results, Path(args.out), config=args.config, overrides=args.set, threshold=args.threshold, code=git_state())
     report = write_report(results, Path(args.out), config=args.config, overrides=args.set, threshold=args.threshold, code=git_state())
-    print(f"capacity {report['capacity']:.3f} test holds: {'reaches' if report['reaches_threshold'] else 'below'} {args.threshold}; wrote {args.out}")
+    verdict = "reaches" if report["reaches_threshold"] else "below"
+    print(f"capacity {report['capacity']:.3f} test holds: {verdict} {args.threshold}; wrote {args.out}")
     return 0
 
 
