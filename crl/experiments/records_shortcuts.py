@@ -108,23 +108,13 @@ def positions_price(tasks, n_values: int, kept) -> Fraction:
 
 
 def best_positions(tasks, n_values: int, j: int) -> tuple[int, ...]:
-    """The copy of at most ``j`` fixed record positions worth most on ``tasks`` (1-based positions; the first best in
-    order of size, then lexicographic): exhaustive over the ``sum_{i<=j} C(n_records, i)`` sets. Chosen on the train
-    split by :func:`prices_table`, as a policy could learn it, and priced on every split (a set chosen on the judged
-    split itself would be worth more there by selection alone)."""
-    n_records, g = len(tasks[0].updates), Fraction(1, n_values)
-    # per task: the positions of the asked key's writes, each with whether its value is the answer
-    writes = [[(p, v == t.answer) for p, k, v in _updates(t) if k == _asked(t)] for t in tasks]
-    best, where = Fraction(-1), ()
-    for size in range(1, min(j, n_records) + 1):
-        for kept in combinations(range(1, n_records + 1), size):
-            total = Fraction(0)
-            for w in writes:
-                mine = [right for p, right in w if p in kept]
-                total += Fraction(int(mine[-1])) if mine else g
-            if total > best:
-                best, where = total, kept
-    return where
+    """The copy of at most ``j`` fixed record positions worth most on ``tasks`` (:func:`positions_price`; 1-based
+    positions, the first best in order of size, then lexicographic): exhaustive over the ``sum_{i<=j} C(n_records, i)``
+    sets. Chosen on the train split by :func:`prices_table`, as a policy could learn it, and priced on every split (a
+    set chosen on the judged split itself would be worth more there by selection alone)."""
+    n_records = len(tasks[0].updates)
+    sets = (kept for size in range(1, min(j, n_records) + 1) for kept in combinations(range(1, n_records + 1), size))
+    return max(sets, key=lambda kept: positions_price(tasks, n_values, kept))
 
 
 def shortcut_prices(tasks, n_values: int, **kwargs) -> dict[str, Fraction]:
