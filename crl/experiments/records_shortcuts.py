@@ -97,24 +97,26 @@ def task_prices(task, n_values: int, *, ks=(1, 2, 3), early_submit: str = "accep
     return out
 
 
+def _copy_price(parsed, kept, guess: Fraction) -> Fraction:
+    """Mean price over ``parsed`` tasks (``(updates, asked key, answer)``) of copying the records at positions ``kept``."""
+    return sum((_pairs_reader([r for r in U if r[0] in kept], a, ans, guess) for U, a, ans in parsed), Fraction(0)) / len(parsed)
+
+
 def positions_price(tasks, n_values: int, kept) -> Fraction:
     """The mean price of copying the records at positions ``kept`` (1-based, the same on every task), read as
     ``first_k_records`` is: the asked key's last value among them, else a guess."""
-    kept, g = set(kept), Fraction(1, n_values)
-    total = Fraction(0)
-    for t in tasks:
-        total += _pairs_reader([r for r in _updates(t) if r[0] in kept], _asked(t), t.answer, g)
-    return total / len(tasks)
+    return _copy_price([(_updates(t), _asked(t), t.answer) for t in tasks], set(kept), Fraction(1, n_values))
 
 
 def best_positions(tasks, n_values: int, j: int) -> tuple[int, ...]:
     """The copy of at most ``j`` fixed record positions worth most on ``tasks`` (:func:`positions_price`; 1-based
     positions, the first best in order of size, then lexicographic): exhaustive over the ``sum_{i<=j} C(n_records, i)``
-    sets. Chosen on the train split by :func:`prices_table`, as a policy could learn it, and priced on every split (a
-    set chosen on the judged split itself would be worth more there by selection alone)."""
-    n_records = len(tasks[0].updates)
+    sets, the tasks parsed once. Chosen on the train split by :func:`prices_table`, as a policy could learn it, and
+    priced on every split (a set chosen on the judged split itself would be worth more there by selection alone)."""
+    n_records, guess = len(tasks[0].updates), Fraction(1, n_values)
+    parsed = [(_updates(t), _asked(t), t.answer) for t in tasks]
     sets = (kept for size in range(1, min(j, n_records) + 1) for kept in combinations(range(1, n_records + 1), size))
-    return max(sets, key=lambda kept: positions_price(tasks, n_values, kept))
+    return max(sets, key=lambda kept: _copy_price(parsed, set(kept), guess))
 
 
 def shortcut_prices(tasks, n_values: int, **kwargs) -> dict[str, Fraction]:
