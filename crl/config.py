@@ -415,6 +415,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return obj
 
 
+def zero_stage(deepspeed_json) -> int:
+    """The ZeRO stage a DeepSpeed JSON file asks for (0 when it names none)."""
+    return int(json.loads(Path(deepspeed_json).read_text()).get("zero_optimization", {}).get("stage", 0))
+
+
+def check_deepspeed(cfg: Config, stage: int) -> None:
+    """Refuse what the trainer cannot run under DeepSpeed ZeRO ``stage``: when the config loads (``deepspeed.config``)
+    and again when the trainer builds its engines (``accelerate launch --use_deepspeed`` names the JSON only there).
+
+    Its engines step inside the accumulation loop, at the last micro-batch's ``step()``, before the step's KL is known
+    and without a warm-up factor of ours. A value head on the policy's trunk gets an engine of its own beside the
+    policy's (each clips its own norm), which needs the head to read the trunk's features detached: ZeRO reduces each
+    gradient once per micro-step, so the value loss cannot also reach the policy's tensors."""
+    a, t = cfg.algo, cfg.train
+    _need(a.target_kl is None, "algo.target_kl", "is not supported with DeepSpeed (its engine steps inside the accumulation "
+          "loop, before the step's KL is known): set it to null, or deepspeed.config to null")
+    _need(a.kl_to == "behaviour", "algo.kl_to", "reference is not supported with DeepSpeed yet: set it to behaviour")
+    _need(t.lr_warmup_steps == 0, "train.lr_warmup_steps", "is not supported with DeepSpeed (its engine owns the step): set it to 0")
+    if cfg.model.share_critic_backbone and a.estimator == "gae":
+        _need(a.separate_losses, "algo.separate_losses",
+              "must be true for a value head on the policy's trunk under DeepSpeed (the head and the policy are stepped by "
+              "two engines, and ZeRO reduces a gradient once: the value loss cannot also reach the trunk): set it to true, "
+              "or deepspeed.config to null (DDP runs both)")
+        _need(stage != 3, "model.share_critic_backbone",
+              "is not supported under DeepSpeed ZeRO-3 (its partitioned trunk would be read by two engines): use ZeRO-2 or none")
+
+
 def _need(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigValidationError(f"{key}: {msg}")
@@ -452,8 +479,7 @@ def _check_torchrl_chat(cfg: Config) -> None:
         _need(getattr(cfg.prompt, key) is None, f"prompt.{key}",
               f"{what}: the ChatEnv suite writes the system prompt, task and observations; remove prompt.{key}")
     if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
-        stage = json.loads(Path(cfg.deepspeed.config).read_text()).get("zero_optimization", {}).get("stage", 0)
-        _need(stage != 3, "deepspeed.config", f"{what} samples with the full module: ZeRO-3 is not supported (use ZeRO-2 or none)")
+        _need(zero_stage(cfg.deepspeed.config) != 3, "deepspeed.config", f"{what} samples with the full module: ZeRO-3 is not supported (use ZeRO-2 or none)")
 
 
 def validate(cfg: Config) -> None:
@@ -532,9 +558,6 @@ def validate(cfg: Config) -> None:
     _need(cfg.model.share_critic_backbone or (a.critic_coef == 1.0 and not a.separate_losses), "algo.critic_coef/separate_losses",
           "weigh and route the value loss of a critic on the policy's trunk (model.share_critic_backbone=true); a separate critic "
           "has its own optimizer: set train.critic_lr instead, or model.share_critic_backbone=true")
-    _need(a.target_kl is None or cfg.deepspeed.config is None, "algo.target_kl",
-          "is not supported with DeepSpeed (its engine steps inside the accumulation loop, before the step's KL is known): "
-          "set it to null or deepspeed.config to null")
     _need(not (a.frozen_summary and not c.enabled), "algo.frozen_summary",
           "needs compaction.enabled=true (no summaries without compaction)")
     preset = cfg.model.preset
@@ -561,8 +584,7 @@ def validate(cfg: Config) -> None:
         _need(bool(lora.target_modules) and all(isinstance(m, str) and m for m in lora.target_modules), "model.lora.target_modules",
               "must list the linear layers to adapt, e.g. [q_proj, v_proj]")
         if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
-            stage = json.loads(Path(cfg.deepspeed.config).read_text()).get("zero_optimization", {}).get("stage", 0)
-            _need(stage != 3, "model.lora.enabled",
+            _need(zero_stage(cfg.deepspeed.config) != 3, "model.lora.enabled",
                   "LoRA is not supported under DeepSpeed ZeRO-3 (the adapters are a few MB: use ZeRO-2 or none)")
     for key in ("iterations", "episodes_per_batch", "micro_batches", "policy_epochs", "policy_minibatches"):
         _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
@@ -597,11 +619,7 @@ def validate(cfg: Config) -> None:
           f"reference sets what algo.kl_coef's penalty pulls toward: set algo.kl_coef > 0 (got {a.kl_coef})")
     _need(a.kl_to == "behaviour" or cfg.model.lora.enabled, "algo.kl_to",
           "reference is the policy as RL started, kept as a frozen LoRA adapter: needs model.lora.enabled=true")
-    _need(a.kl_to == "behaviour" or cfg.deepspeed.config is None, "algo.kl_to",
-          "reference is not supported with DeepSpeed yet: set it to behaviour")
     _need(t.lr_warmup_steps >= 0, "train.lr_warmup_steps", f"must be >= 0, got {t.lr_warmup_steps}")
-    _need(t.lr_warmup_steps == 0 or cfg.deepspeed.config is None, "train.lr_warmup_steps",
-          "is not supported with DeepSpeed (its engine owns the step): set it to 0")
     _need(t.max_grad_norm > 0 and t.critic_max_grad_norm > 0, "train.max_grad_norm/critic_max_grad_norm", "must be > 0")
     if a.estimator == "group":
         _need(t.group_size >= 2 or t.branches >= 2, "train.group_size",
@@ -654,6 +672,7 @@ def validate(cfg: Config) -> None:
           "vllm.cpu_threads_bind", f"{v.cpu_threads_bind!r} is neither rank, auto nor a core list like 0-3 or 0,2")
     if cfg.deepspeed.config is not None:
         _need(Path(cfg.deepspeed.config).is_file(), "deepspeed.config", f"file {cfg.deepspeed.config} does not exist")
+        check_deepspeed(cfg, zero_stage(cfg.deepspeed.config))
     for path in cfg.tools.sandbox_ro_paths:
         _need(isinstance(path, str) and Path(path).is_absolute() and Path(path).exists(), "tools.sandbox_ro_paths",
               f"{path!r} is not an existing absolute path")

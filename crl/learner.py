@@ -33,7 +33,9 @@ causal model's output at position ``t`` depends only on ``tokens[:t + 1]``. So (
 Data parallel: the trainer's ranks hold different rows, hence different chunk counts. DDP broadcasts buffers
 (e.g. Llama's rotary ``inv_freq``) and ZeRO-3 gathers parameters in *every* forward call, so ranks must make the
 same number of calls: with ``torch.distributed`` initialised the wrapper all-reduces the chunk count (MAX) and
-pads with one-token dummy chunks whose outputs join the graph with weight 0.
+pads with one-token dummy chunks whose outputs join the graph with weight 0, each only its own output's (a value read
+off detached features stays off the trunk: under DeepSpeed a shared trunk's value head is stepped by an engine of its
+own, and ZeRO reduces a gradient only where every rank computes one).
 """
 from __future__ import annotations
 
@@ -432,7 +434,7 @@ class PrefixSharedForward(TensorDictModuleBase):
                 if T > length:
                     x = torch.cat([x, x.new_zeros((x.shape[0], T - length) + tuple(x.shape[2:]))], dim=1)
                 buf.append(x)
-        dummy = None
+        dummies = [None] * len(self.out_keys)  # each output's own: a value read off detached features stays off the trunk
         # two tokens: position 0's outputs are constants (nothing precedes it), position 1's come from the network, so
         # a dummy forward also has a backward (ZeRO-3 gathers per module in backward too); a rank with no row uses pads
         two = tokens[:1, :2] if S and T >= 2 else tokens.new_zeros((1, 2))
@@ -442,8 +444,7 @@ class PrefixSharedForward(TensorDictModuleBase):
             res = self.net(two, torch.ones_like(two)) if needed is None else \
                 self.net(two, torch.ones_like(two), needed=torch.zeros_like(two, dtype=torch.bool))
             res = (res,) if isinstance(res, Tensor) else tuple(res)
-            z = sum(x.sum() for x in res) * 0.0
-            dummy = z if dummy is None else dummy + z
+            dummies = [x.sum() * 0.0 if d is None else d + x.sum() * 0.0 for d, x in zip(dummies, res)]
         # buffer row of every forward row, then the buffer row every segment row reads
         where = torch.full((S,), -1, dtype=torch.long)
         fwd = plan.forward_rows
@@ -451,7 +452,7 @@ class PrefixSharedForward(TensorDictModuleBase):
         src = plan.source.clamp(min=0)
         idx = where[src].clamp(min=0).to(dev)
         valid = (torch.arange(T).unsqueeze(0) < plan.lengths.unsqueeze(-1)).to(dev)
-        for key, buf in zip(self.out_keys, bufs):
+        for key, buf, dummy in zip(self.out_keys, bufs, dummies):
             if buf:
                 full = torch.cat(buf)[idx]
                 v = valid.reshape(valid.shape + (1,) * (full.ndim - 2))

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from crl.builders import build_collector, build_prompt_format, build_tokenizer, check_budgets, curriculum_stages, sampling_spec
 from crl.collectors import CompactionCollector, episode_stats, summary_channel_metrics
-from crl.config import Config, ConfigValidationError, to_yaml
+from crl.config import Config, ConfigValidationError, check_deepspeed, to_yaml
 from crl.episode import EpisodeStatus, SegmentKind
 from crl.evaluation import evaluate_policy
 from crl.io import atomic_write_text
@@ -84,12 +84,8 @@ class Trainer:
         if deepspeed_stage(self.ds_config) == 3 and cfg.warm_start.cache_dir is not None:
             raise ConfigValidationError("warm_start.cache_dir is not supported under DeepSpeed ZeRO-3 (partitioned weights); "
                                         "set it to null")
-        if use_ds and cfg.algo.target_kl is not None:  # (accelerate's own DeepSpeed plugin, not deepspeed.config)
-            raise ConfigValidationError("algo.target_kl is not supported with DeepSpeed (its engine steps inside the accumulation loop): "
-                                        "set it to null")
-        if use_ds and cfg.model.share_critic_backbone:
-            raise ConfigValidationError("model.share_critic_backbone=true cannot be used with DeepSpeed "
-                                        "(two engines cannot share parameters)")
+        if use_ds:  # again: accelerate launch --use_deepspeed names the DeepSpeed JSON here, not in deepspeed.config
+            check_deepspeed(cfg, deepspeed_stage(self.ds_config))
         if cfg.model.backend == "vllm" and cfg.vllm.sleep_between_phases and not torch.cuda.is_available():
             raise ConfigValidationError("vllm.sleep_between_phases needs a GPU: vLLM's sleep mode is not available on the CPU; "
                                         "set it to false")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from _gloo import free_port
 from crl.episode import EpisodeStatus, load_episodes
@@ -177,4 +178,38 @@ def test_a_shared_trunk_trains_on_two_ranks_through_its_critic_warm_up(tmp_path,
            "train.critic_warmup_iterations=1", "train.policy_minibatches=2")
     log = metrics(run)
     assert [r["step"] for r in log if "policy/steps" in r] == [2] and log[-1]["policy/steps"] >= 1
+    audit(run)
+
+
+def test_a_shared_trunk_trains_under_zero2_on_two_ranks_each_engine_clipping_its_own_and_resumes(tmp_path):
+    """ZeRO-2, 2 ranks, a value head on the policy's trunk (model.share_critic_backbone, algo.separate_losses): the
+    policy's tensors and the value head are stepped by two engines, so the critic warm-up (iteration 1) moves the head
+    alone (the policy's weights are the warm start's, bit for bit: its cached weights) and each policy step lists two
+    norms, the policy's and the head's, each clipped by its own engine. Resumed on 2 ranks from both engines' ZeRO
+    partitions, then audited."""
+    from safetensors.torch import load_file
+
+    run, cache = tmp_path / "run", tmp_path / "warm_start_cache"
+    shared = ["model.share_critic_backbone=true", "algo.separate_losses=true", "train.critic_warmup_iterations=1",
+              "train.policy_minibatches=2", f"warm_start.cache_dir={cache}"]
+    launch(2, run, "train.iterations=2", *shared, deepspeed=2)
+    resumed = launch(2, run, "train.iterations=3", *shared, deepspeed=2)
+    assert "resumed from" in resumed.stdout
+    log = metrics(run)
+    policy_rows = [r for r in log if "policy/steps" in r]
+    assert [r["step"] for r in policy_rows] == [2, 3]
+    for r in policy_rows:  # two policy steps an iteration, each with its two engines' norms
+        assert r["policy/steps"] == 2 and r["grad_norm/actor"] > 0 and r["grad_norm/critic"] > 0
+        assert r["grad_norm/actor"] != r["grad_norm/critic"]
+    for rank in (0, 1):  # each engine holds its own ZeRO partition
+        for name in ("actor", "critic"):
+            assert (run / "checkpoints" / "iter_000002" / "optimizer" / f"{name}_rank{rank}.pt").is_file()
+    # iteration 1 trained the value head alone: the policy is the warm start's
+    (entry,) = [e for e in cache.iterdir() if e.is_dir()]
+    warm = torch.load(entry / "state.pt", weights_only=True)["weights"]
+    first = run / "checkpoints" / "iter_000000"  # (after iteration 1)
+    policy = load_file(str(first / "policy" / "model.safetensors"))
+    assert set(policy) <= set(warm) and all(torch.equal(policy[k], warm[k]) for k in policy), sorted(set(policy) - set(warm))[:3]
+    head = load_file(str(first / "critic.safetensors"))
+    assert head["value_head.bias"].abs().sum() > 0  # (initialised at 0)
     audit(run)

@@ -115,6 +115,31 @@ def test_the_one_pass_loss_has_the_two_pass_losses_gradients_summed_with_the_coe
         assert all("lora_" in n or n.startswith("value_head.") for n in g_one)
 
 
+@pytest.mark.parametrize("needed", [False, True], ids=["all_positions", "needed_positions"])
+def test_a_rank_padding_its_forward_calls_keeps_each_output_on_its_own_graph(needed):
+    """A rank with fewer forward chunks than another runs dummy chunks whose outputs join the graph with weight 0
+    (ranks in lock-step). Each output gets its own dummies only: with the value head on detached features, the values'
+    graph reaches the head and never the trunk, as on a rank with no dummy (under DeepSpeed the head's engine would
+    otherwise reduce trunk gradients the policy's engine owns, and the ranks' collectives stop matching). The outputs
+    equal the unpadded forward's."""
+    net = PolicyValueLM(tiny_lm(False), SamplingSpec(1.0, 1.0), head_init="normal", seed=3, detach_value_features=True)
+    td = batch_for(net)
+    kw = {"needed_key": "loss_mask"} if needed else {}
+    plain = PrefixSharedForward(net, ["log_prob", "entropy", "state_value"], **kw)
+    padded = PrefixSharedForward(net, ["log_prob", "entropy", "state_value"], **kw)
+    padded._num_calls = lambda n, device: n + 2  # another rank runs two chunks more
+    with torch.no_grad():
+        expect = plain(td.clone())
+    out = padded(td.clone())
+    for key in ("log_prob", "entropy", "state_value"):
+        torch.testing.assert_close(out[key], expect[key], rtol=0, atol=0)
+    out["state_value"].sum().backward(retain_graph=True)
+    assert [n for n, p in net.lm.named_parameters() if p.grad is not None] == []
+    assert all(p.grad is not None for p in net.value_head.parameters())
+    (out["log_prob"].sum() + out["entropy"].sum()).backward()
+    assert all(p.grad is not None for p in net.lm.parameters() if p.requires_grad)
+
+
 def test_critic_coef_and_separate_losses_are_refused_without_a_shared_trunk():
     with pytest.raises(ConfigValidationError, match="algo.critic_coef/separate_losses"):
         load_config(ROOT / "configs" / "default.yaml", ["algo.separate_losses=true"])
@@ -124,6 +149,64 @@ def test_critic_coef_and_separate_losses_are_refused_without_a_shared_trunk():
         load_config(ROOT / "configs" / "default.yaml", ["model.share_critic_backbone=true", "algo.critic_coef=0"])
     load_config(ROOT / "configs" / "default.yaml",
                 ["model.share_critic_backbone=true", "algo.critic_coef=0.5", "algo.separate_losses=true"])
+
+
+def test_under_deepspeed_a_shared_trunk_needs_detached_value_features_and_zero2_at_load_and_at_launch():
+    """Two engines step a shared trunk under DeepSpeed (the policy's tensors, the value head), so the value loss must not
+    reach the trunk (algo.separate_losses) and ZeRO-3 is refused: when the config names the JSON (load time) and when
+    ``accelerate launch --use_deepspeed`` names it (:func:`crl.config.check_deepspeed`, which the trainer calls before
+    it builds anything); so are the options the engines' own step cannot honour (the learning-rate warm-up, a KL bound,
+    the reference KL), the warm-up included, which the launch path once let through and then ignored."""
+    from crl.config import check_deepspeed
+
+    base = ROOT / "configs" / "default.yaml"
+    zero2, zero3 = "deepspeed.config=configs/deepspeed/zero2.json", "deepspeed.config=configs/deepspeed/zero3.json"
+    with pytest.raises(ConfigValidationError, match=r"algo\.separate_losses: must be true .* DeepSpeed"):
+        load_config(base, ["model.share_critic_backbone=true", zero2])
+    with pytest.raises(ConfigValidationError, match=r"model\.share_critic_backbone: .* ZeRO-3"):
+        load_config(base, ["model.share_critic_backbone=true", "algo.separate_losses=true", zero3])
+    load_config(base, ["model.share_critic_backbone=true", "algo.separate_losses=true", zero2])
+    launched = load_config(base, ["model.share_critic_backbone=true"])  # no deepspeed.config: the launcher's JSON
+    with pytest.raises(ConfigValidationError, match=r"algo\.separate_losses"):
+        check_deepspeed(launched, 2)
+    for override, key in [("train.lr_warmup_steps=4", "train.lr_warmup_steps"), ("algo.target_kl=0.05", "algo.target_kl")]:
+        cfg = load_config(base, [override])
+        with pytest.raises(ConfigValidationError, match=key.replace(".", r"\.")):
+            check_deepspeed(cfg, 2)
+        with pytest.raises(ConfigValidationError, match=key.replace(".", r"\.")):
+            load_config(base, [override, zero2])
+    check_deepspeed(load_config(base, ["model.share_critic_backbone=true", "algo.separate_losses=true"]), 2)
+
+
+ENGINES = """
+import json, os, sys
+sys.path.insert(0, "tests")
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], DS_ACCELERATOR="cpu")
+from test_lora import learner_models
+m = learner_models("deepspeed.config=configs/deepspeed/zero2.json", "train.max_grad_norm=0.25", "train.critic_max_grad_norm=7",
+                   *sys.argv[2:])
+print(json.dumps({"clips": {name: model.gradient_clipping() for name, model, _ in m.trained()},
+                  "head_engine_is_the_value_head": m.head_model is not None and m.head_model.module is m.actor_model.module.value_head}))
+"""
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_trunk", "separate_critic"])
+def test_under_deepspeed_each_engine_clips_its_own_tensors_at_its_own_bound(shared):
+    """DeepSpeed's engines clip what they step: the policy's at train.max_grad_norm, the critic's (a separate critic,
+    or a shared trunk's value head, whose engine steps the actor's own head module) at train.critic_max_grad_norm,
+    not the JSON's one value for both. Built in a process of its own (one Accelerator per process)."""
+    import os
+    import subprocess
+    import sys
+
+    from _gloo import free_port
+
+    extra = ["model.share_critic_backbone=true", "algo.separate_losses=true"] if shared else []
+    proc = subprocess.run([sys.executable, "-c", ENGINES, str(free_port()), *extra], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"clips": {"actor": 0.25, "critic": 7.0}, "head_engine_is_the_value_head": shared}
 
 
 def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_micro_batch_of_each_policy_step(tmp_path):

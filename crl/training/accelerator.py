@@ -58,12 +58,14 @@ def make_accelerator(cfg: Config):
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two below and the world size
     ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch of segments per backward
     ds["gradient_accumulation_steps"] = cfg.train.micro_batches  # we call backward+step per micro-batch
-    ds["gradient_clipping"] = cfg.train.max_grad_norm
     ds.setdefault("bf16", {"enabled": bf16})  # actor and critic engines in bf16 on GPUs (the JSON may override)
     # zero3_init_flag=False: accelerate would register the config with transformers for the whole process. Under
     # ZeRO-3 the trainer builds the actor and the critic under zero.Init itself, exactly around their construction
     # (crl.modules.zero3.zero3_init), so no rank ever holds a full model.
-    plugins = {name: DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds), zero3_init_flag=False) for name in ("actor", "critic")}
+    # each engine clips its own tensors' norm: the policy's at train.max_grad_norm, the critic's at critic_max_grad_norm
+    clips = {"actor": cfg.train.max_grad_norm, "critic": cfg.train.critic_max_grad_norm}
+    plugins = {name: DeepSpeedPlugin(hf_ds_config=dict(copy.deepcopy(ds), gradient_clipping=clip), zero3_init_flag=False)
+               for name, clip in clips.items()}
     accelerator = Accelerator(deepspeed_plugins=plugins, kwargs_handlers=timeout)
     from transformers.integrations import unset_hf_deepspeed_config
 

@@ -66,12 +66,15 @@ class LearnerModels:
             actor_net = PolicyValueLM(lm, spec, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
                                       detach_value_features=cfg.algo.separate_losses)
             critic_net = None
-            # one Adam, two learning rates: the policy's tensors at train.actor_lr, the value head at train.critic_lr
             heads = [p for p in actor_net.value_head.parameters()]
             rest = [p for p in actor_net.parameters() if all(p is not h for h in heads)]
-            actor_opt = torch.optim.Adam([{"params": rest, "lr": t.actor_lr, "role": "actor"},
-                                          {"params": heads, "lr": t.critic_lr, "role": "critic"}],
-                                         lr=t.actor_lr, weight_decay=t.weight_decay)
+            if self.use_ds:  # an engine for the policy's tensors and one for the value head: each clips its own norm
+                actor_opt = torch.optim.Adam(rest, lr=t.actor_lr, weight_decay=t.weight_decay)
+                head_opt = torch.optim.Adam(heads, lr=t.critic_lr, weight_decay=t.weight_decay)
+            else:  # one Adam, two learning rates: the policy's tensors at train.actor_lr, the value head at train.critic_lr
+                actor_opt = torch.optim.Adam([{"params": rest, "lr": t.actor_lr, "role": "actor"},
+                                              {"params": heads, "lr": t.critic_lr, "role": "critic"}],
+                                             lr=t.actor_lr, weight_decay=t.weight_decay)
         else:
             actor_net = CausalLMLogProbs.from_spec(lm, spec)
             critic_net = (ValueModel.from_actor(lm, head_init=cfg.model.value_head_init, seed=cfg.train.seed,
@@ -86,12 +89,19 @@ class LearnerModels:
         critic_opt = (torch.optim.Adam(critic_net.parameters(), lr=t.critic_lr, weight_decay=t.weight_decay)
                       if critic_net is not None else None)
         self.critic_model = self.critic_opt = None
+        self.head_model = self.head_opt = None  # a shared trunk's value head under DeepSpeed: its own engine
         if self.use_ds:  # two engines from one DeepSpeed JSON (docs/design.md §9)
             accelerator.state.select_deepspeed_plugin("actor")
             self.actor_model, self.actor_opt = accelerator.prepare(actor_net, actor_opt)
             if critic_net is not None:
                 accelerator.state.select_deepspeed_plugin("critic")
                 self.critic_model, self.critic_opt = accelerator.prepare(critic_net, critic_opt)
+            elif self.shared_trunk:
+                # the head reads the trunk's features detached (algo.separate_losses, required under DeepSpeed), so the
+                # policy loss reaches the policy's engine alone and the value loss the head's: ZeRO reduces each
+                # gradient once, and each engine clips its own (the forward stays PolicyValueLM's, through the actor)
+                accelerator.state.select_deepspeed_plugin("critic")
+                self.head_model, self.head_opt = accelerator.prepare(actor_net.value_head, head_opt)
         elif critic_net is not None:
             self.actor_model, self.critic_model, self.actor_opt, self.critic_opt = accelerator.prepare(actor_net, critic_net,
                                                                                                        actor_opt, critic_opt)
@@ -138,9 +148,8 @@ class LearnerModels:
 
     def trained(self) -> list[tuple[str, object, object]]:
         """``[("actor", engine/module, optimizer), ("critic", ...)]``: the models with an optimizer."""
-        return [(name, m, opt)
-                for name, m, opt in (("actor", self.actor_model, self.actor_opt), ("critic", self.critic_model, self.critic_opt))
-                if m is not None]
+        critic = (self.head_model, self.head_opt) if self.head_model is not None else (self.critic_model, self.critic_opt)
+        return [(name, m, opt) for name, m, opt in (("actor", self.actor_model, self.actor_opt), ("critic", *critic)) if m is not None]
 
     def optimizer_layout(self) -> str:
         """How the optimizer state is stored (:func:`crl.training.accelerator.optimizer_layout`)."""

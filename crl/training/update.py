@@ -77,6 +77,11 @@ SUMMED_METRICS = ("loss_objective", "loss_entropy", "loss_kl", "loss_critic", "o
 TOKEN_MEAN_METRICS = ("clip_fraction", "approx_kl", "entropy")
 
 
+def total_loss(out: TensorDict) -> torch.Tensor:
+    """The sum of a loss module's ``loss_*`` terms: what one backward carries."""
+    return sum(v for k, v in out.items() if k.startswith("loss_"))
+
+
 def step_metrics(outs: list[TensorDict], device="cpu") -> dict[str, float]:
     """One optimizer step's metrics from its micro-batches' loss outputs ``outs`` (this rank's; every rank calls it:
     one all-reduce). With micro-batches ``b`` of every rank, ``n_b`` optimized tokens each:
@@ -326,10 +331,9 @@ class PPOUpdate:
         frac = self.schedule_fraction(t.lr_schedule, iteration)
         rates = {"actor": t.actor_lr * frac, "critic": t.critic_lr * frac}
         self.rates = rates
-        for name, opt in (("actor", self.models.actor_opt), ("critic", self.models.critic_opt)):
-            if opt is not None:  # (a DeepSpeed engine's optimizer exposes the same param_groups)
-                for group in opt.param_groups:  # a shared trunk's one optimizer: the value head's group is the critic's
-                    group["lr"] = rates[group.get("role", name)]
+        for name, _, opt in self.models.trained():  # (a DeepSpeed engine's optimizer exposes the same param_groups)
+            for group in opt.param_groups:  # a shared trunk's one optimizer: the value head's group is the critic's
+                group["lr"] = rates[group.get("role", name)]
         return rates
 
     def set_entropy_coef(self, iteration: int) -> float:
@@ -542,12 +546,13 @@ class PPOUpdate:
         outs = []
         for i, mb in enumerate(mbs):
             out = loss_module(mb, normalizer=norm) if fill is None else self.fused_step_loss(mb, norm, fill[0], fill[1][i])
-            loss = sum(v for k, v in out.items() if k.startswith("loss_"))
-            if self.models.use_ds:
-                model.backward(loss, scale_wrt_gas=False)  # the loss is already normalised by the step's global counts
+            if self.models.head_model is not None:  # a shared trunk under DeepSpeed: each loss to its own engine
+                self.engines_backward(name, out)
+            elif self.models.use_ds:
+                model.backward(total_loss(out), scale_wrt_gas=False)  # the loss is already normalised by the step's global counts
                 model.step()  # DeepSpeed steps (and clips) at the accumulation boundary only
             else:
-                self.accelerator.backward(loss)
+                self.accelerator.backward(total_loss(out))
             outs.append(out)
         if name == "actor":
             report.policy_forwards += 1.0 if fill is not None else 1.0 / self.cfg.train.policy_minibatches
@@ -574,6 +579,18 @@ class PPOUpdate:
                                         for kind in ("execution", "summary")}
         return step
 
+    def engines_backward(self, name: str, out: TensorDict) -> None:
+        """A shared trunk under DeepSpeed (:class:`~crl.training.models.LearnerModels`' ``head_model``): the value loss
+        (features detached: it reaches the value head alone) into the head's engine, the rest of a policy step's loss
+        into the policy's; each engine steps (and clips its own gradient) at its accumulation boundary. A critic step
+        (the critic warm-up) runs the head's engine alone: the policy's engine sees no backward and does not move."""
+        head, policy = self.models.head_model, self.models.actor_model
+        if name == "actor":
+            policy.backward(sum(v for k, v in out.items() if k.startswith("loss_") and k != "loss_critic"), scale_wrt_gas=False)
+            policy.step()
+        head.backward(out["loss_critic"], scale_wrt_gas=False)
+        head.step()
+
     def clip_and_step(self, name: str) -> None:
         """Clip each network's own gradient and apply the step; list the pre-clipping norms.
 
@@ -582,13 +599,18 @@ class PPOUpdate:
         the policy's is below 1) never sets the policy step's scale. ``grad_norm/actor`` is the policy's norm,
         ``grad_norm/critic`` the critic's. A shared trunk's critic step (the critic warm-up) moves the value head
         alone: the trunk's gradient is dropped, so the policy does not move before its first policy step. The policy's
-        learning rate follows the warm-up (:meth:`warmup_factor`). Under DeepSpeed the engine has stepped and clipped
-        (``gradient_clipping``): its global norm is listed."""
+        learning rate follows the warm-up (:meth:`warmup_factor`). Under DeepSpeed each engine has stepped and clipped its
+        own tensors (its ``gradient_clipping``: the policy's ``train.max_grad_norm``, the critic's or the shared trunk's
+        value head's ``train.critic_max_grad_norm``): their norms are listed."""
         report = self.report
         _, model, opt, _ = self.step_parts(name)
-        if self.models.use_ds:
-            gn = model.get_global_grad_norm()
-            report.grad_norms[name].append(float(gn) if gn is not None else float("nan"))
+        if self.models.use_ds:  # the engines that stepped: each one's pre-clipping norm (policy's or critic's tensors)
+            m = self.models
+            engines = ([(name, m.actor_model if name == "actor" else m.critic_model)] if m.head_model is None else
+                       [("actor", m.actor_model)] * (name == "actor") + [("critic", m.head_model)])
+            for role, engine in engines:
+                gn = engine.get_global_grad_norm()
+                report.grad_norms[role].append(float(gn) if gn is not None else float("nan"))
             return
         t = self.cfg.train
         if self.models.shared_trunk:
