@@ -479,7 +479,8 @@ def _check_torchrl_chat(cfg: Config) -> None:
         _need(getattr(cfg.prompt, key) is None, f"prompt.{key}",
               f"{what}: the ChatEnv suite writes the system prompt, task and observations; remove prompt.{key}")
     if cfg.deepspeed.config is not None and Path(cfg.deepspeed.config).is_file():
-        _need(zero_stage(cfg.deepspeed.config) != 3, "deepspeed.config", f"{what} samples with the full module: ZeRO-3 is not supported (use ZeRO-2 or none)")
+        _need(zero_stage(cfg.deepspeed.config) != 3, "deepspeed.config",
+              f"{what} samples with the full module: ZeRO-3 is not supported (use ZeRO-2 or none)")
 
 
 def validate(cfg: Config) -> None:
