@@ -77,9 +77,9 @@ SUMMED_METRICS = ("loss_objective", "loss_entropy", "loss_kl", "loss_critic", "o
 TOKEN_MEAN_METRICS = ("clip_fraction", "approx_kl", "entropy")
 
 
-def total_loss(out: TensorDict) -> torch.Tensor:
-    """The sum of a loss module's ``loss_*`` terms: what one backward carries."""
-    return sum(v for k, v in out.items() if k.startswith("loss_"))
+def total_loss(out: TensorDict, skip: tuple[str, ...] = ()) -> torch.Tensor:
+    """The sum of a loss module's ``loss_*`` terms but those in ``skip``: what one backward carries."""
+    return sum(v for k, v in out.items() if k.startswith("loss_") and k not in skip)
 
 
 def step_metrics(outs: list[TensorDict], device="cpu") -> dict[str, float]:
@@ -586,7 +586,7 @@ class PPOUpdate:
         (the critic warm-up) runs the head's engine alone: the policy's engine sees no backward and does not move."""
         head, policy = self.models.head_model, self.models.actor_model
         if name == "actor":
-            policy.backward(sum(v for k, v in out.items() if k.startswith("loss_") and k != "loss_critic"), scale_wrt_gas=False)
+            policy.backward(total_loss(out, skip=("loss_critic",)), scale_wrt_gas=False)
             policy.step()
         head.backward(out["loss_critic"], scale_wrt_gas=False)
         head.step()
@@ -605,9 +605,9 @@ class PPOUpdate:
         report = self.report
         _, model, opt, _ = self.step_parts(name)
         if self.models.use_ds:  # the engines that stepped: each one's pre-clipping norm (policy's or critic's tensors)
-            m = self.models
-            engines = ([(name, m.actor_model if name == "actor" else m.critic_model)] if m.head_model is None else
-                       [("actor", m.actor_model)] * (name == "actor") + [("critic", m.head_model)])
+            engines = [(name, model)]
+            if self.models.head_model is not None:  # a shared trunk: the head's engine steps in policy and critic steps
+                engines = [("actor", model)] * (name == "actor") + [("critic", self.models.head_model)]
             for role, engine in engines:
                 gn = engine.get_global_grad_norm()
                 report.grad_norms[role].append(float(gn) if gn is not None else float("nan"))
