@@ -415,9 +415,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return obj
 
 
-def zero_stage(deepspeed_json) -> int:
-    """The ZeRO stage a DeepSpeed JSON file asks for (0 when it names none)."""
-    return int(json.loads(Path(deepspeed_json).read_text()).get("zero_optimization", {}).get("stage", 0))
+def zero_stage(deepspeed_config: dict | str | Path) -> int:
+    """The ZeRO stage a DeepSpeed config (a dict, or its JSON file) asks for (0 when it names none)."""
+    ds = deepspeed_config if isinstance(deepspeed_config, dict) else json.loads(Path(deepspeed_config).read_text())
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
 def check_deepspeed(cfg: Config, stage: int) -> None:

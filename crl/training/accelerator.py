@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from crl.config import Config, ConfigValidationError
+from crl.config import Config, ConfigValidationError, zero_stage
 from crl.objectives.distributed import all_reduce_sum, dist_ready
 
 __all__ = ["make_accelerator", "check_elastic_store", "deepspeed_stage", "process_ranks", "reduce_stats", "mean_over_ranks",
@@ -124,7 +124,7 @@ def peak_memory_mb() -> float:
 
 def deepspeed_stage(ds_config: dict | None) -> int | None:
     """The ZeRO stage of a DeepSpeed config (None: no DeepSpeed)."""
-    return None if ds_config is None else int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    return None if ds_config is None else zero_stage(ds_config)
 
 
 def optimizer_layout(ds_config: dict | None) -> str:
