@@ -109,18 +109,11 @@ CRITICS = {"separate": ["model.share_critic_backbone=false"], "shared": ["model.
            "detached": ["model.share_critic_backbone=true", "algo.separate_losses=true"]}
 
 
-def native_bf16() -> str | None:
-    """The CPU's native bf16 instruction set, or None (read from /proc/cpuinfo's flags)."""
-    try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        return None
-    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
-
-
 def machine_limits(threads: int) -> dict:
     """Matmul FLOP/s (fp32; bf16 where native) and memory bandwidth (a large copy: read + write bytes / s)."""
     import torch
+
+    from crl.training.accelerator import native_bf16
 
     torch.set_num_threads(threads)
 
