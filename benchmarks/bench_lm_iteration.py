@@ -30,8 +30,8 @@ the fp32 rows end at ``one_step``, the whole stack on a CPU without native bf16)
 * ``bf16``: ``train.precision=bf16`` — only where the CPU has native bf16 (AVX512_BF16 or AMX), else reported skipped;
 * ``keep_today`` / ``keep_branches`` (and their ``_bf16`` twins; issue 58): ``--config configs/lm_keep/base.yaml`` as it
   is (``--episodes 16``: 16 episodes, 4 policy steps of whole rollouts) against 8 contexts × 8 summaries of each
-  (``train.branches=8``, 64 episodes, 4 policy steps of 2 whole branch groups, 4 micro-batches each: one shared-prefix chunk each): the time of an
-  iteration, learner positions and prefill / decode positions per episode, peak RSS;
+  (``train.branches=8``, 64 episodes, 4 policy steps of 2 whole branch groups, 4 micro-batches each: one shared-prefix
+  chunk each): the time of an iteration, learner positions and prefill / decode positions per episode, peak RSS;
 * ``system_template``: ``prompt.system_turn=template`` — the chat template's own system turn (SmolLM2: 21 tokens)
   instead of crl's command description (48), in every segment: also a recipe choice (the untrained model behaves
   differently without the commands' description, so its episodes differ; the tokens an oracle episode saves are

@@ -61,7 +61,8 @@ def test_siblings_share_their_prefix_token_for_token_and_part_at_the_first_compa
             mine = rows[rows["rollout_id"] == rid]
             for key in ("tokens", "provenance", "loss_mask", "sample_log_prob"):
                 assert torch.equal(mine[key][:start], first[key][:start]), (rid, key)
-        summaries = {tuple(rows["tokens"][i][rows["loss_mask"][i]].tolist()) for i in range(rows.batch_size[0]) if int(rows["segment_index"][i]) == start}
+        summaries = {tuple(rows["tokens"][i][rows["loss_mask"][i]].tolist()) for i in range(rows.batch_size[0])
+                     if int(rows["segment_index"][i]) == start}
         parted += len(summaries) > 1
     assert parted, "no branch group sampled two different summaries: the branches did not part"
 
@@ -88,8 +89,8 @@ def test_one_branch_is_the_collector_without_branches(lm):
     """k = 1: the same rows, keys, rollout ids and sampler stream as a collector built without the argument."""
     s = MemoryChainSuite(length=6, split_sizes={"train": 12, "dev": 4, "test": 4})
     cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=s.compaction_steps, keep_recent=2)
-    a = CompactionCollector(s, "train", TransformersBackend(lm, seed=3), encode, decode, EOS_ID, cfg, max_action_tokens=5, episodes_per_batch=4,
-                            progress=False)
+    a = CompactionCollector(s, "train", TransformersBackend(lm, seed=3), encode, decode, EOS_ID, cfg, max_action_tokens=5,
+                            episodes_per_batch=4, progress=False)
     b = collector(lm, episodes=4, branches=1, seed=3, suite=s)
     for _ in range(2):
         x, y = a.collect(), b.collect()

@@ -24,7 +24,8 @@ def setting():
     cfg = load_config(QUICK, ["logging.wandb_mode=disabled"])
     codec = build_tokenizer(cfg)
     suite = build_suite(cfg, curriculum_stages(cfg)[-1])
-    engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id, prompt_format=build_prompt_format(cfg, codec))
+    engine = CompactionEngine(build_compaction_config(cfg, suite), codec.encode, eos_id=codec.eos_id,
+                              prompt_format=build_prompt_format(cfg, codec))
     return cfg, codec, suite, engine
 
 
@@ -64,8 +65,9 @@ def test_a_few_steps_lower_the_summaries_nll():
 
 def test_the_script_writes_both_references_and_a_plot(tmp_path):
     out = tmp_path / "capacity.json"
-    proc = subprocess.run([sys.executable, "scripts/capacity.py", "--config", str(QUICK), "--episodes", "16", "--batch-size", "8", "--evals", "1",
-                           "--dev-episodes", "4", "--final-episodes", "4", "--runs", str(tmp_path / "runs"), "--out", str(out), "--set",
+    proc = subprocess.run([sys.executable, "scripts/capacity.py", "--config", str(QUICK), "--episodes", "16", "--batch-size", "8",
+                           "--evals", "1", "--dev-episodes", "4", "--final-episodes", "4", "--runs", str(tmp_path / "runs"),
+                           "--out", str(out), "--set",
                            "warm_start.steps=4", "warm_start.stop_answer_p=null", "train.episodes_per_batch=8", "train.branches=4",
                            "train.policy_minibatches=2", "logging.progress=false"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -227,7 +227,8 @@ def test_the_trainer_runs_the_trunk_once_for_values_and_entropies_and_once_per_m
         rollout = trainer.collect()
         calls = {"forward": 0, "backward": 0, "no_grad": 0}
         last = trainer.lm.get_decoder().norm  # the trunk's last module: once per forward of the trunk, once per backward
-        count = lambda *a: calls.__setitem__(*(("forward", calls["forward"] + 1) if torch.is_grad_enabled() else ("no_grad", calls["no_grad"] + 1)))
+        def count(*_):
+            calls["forward" if torch.is_grad_enabled() else "no_grad"] += 1
         h1 = last.register_forward_hook(count)
         h2 = last.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
         try:
@@ -342,7 +343,8 @@ def test_values_from_the_policy_steps_own_forward_equal_a_values_pass_and_give_t
             trainer.ppo.reset_report()
             calls = {"forward": 0, "backward": 0, "no_grad": 0}
             last = trainer.lm.get_decoder().norm
-            count = lambda *a: calls.__setitem__(*(("forward", calls["forward"] + 1) if torch.is_grad_enabled() else ("no_grad", calls["no_grad"] + 1)))
+            def count(*_):
+                calls["forward" if torch.is_grad_enabled() else "no_grad"] += 1
             hooks = [last.register_forward_hook(count),
                      last.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))]
             try:

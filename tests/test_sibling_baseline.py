@@ -27,8 +27,8 @@ def batch():
     lm = build_causal_lm("llama-tiny", vocab_size=len(TOK), max_positions=1024, eos_token_id=EOS_ID, seed=0)
     s = MemoryChainSuite(length=6, split_sizes={"train": 12, "dev": 4, "test": 4})
     cfg = CompactionConfig(context_capacity=768, min_remaining=32, max_summary_tokens=6, forced_steps=s.compaction_steps, keep_recent=2)
-    td = CompactionCollector(s, "train", TransformersBackend(lm, seed=1), encode, decode, EOS_ID, cfg, max_action_tokens=5, episodes_per_batch=12,
-                             branches=4, progress=False).collect()
+    td = CompactionCollector(s, "train", TransformersBackend(lm, seed=1), encode, decode, EOS_ID, cfg, max_action_tokens=5,
+                             episodes_per_batch=12, branches=4, progress=False).collect()
     g = torch.Generator().manual_seed(0)
     rewards = {int(r): float(torch.randint(0, 2, (1,), generator=g)) for r in td["rollout_id"].unique()}
     td["reward"] = torch.tensor([rewards[int(r)] for r in td["rollout_id"]], dtype=torch.float32)

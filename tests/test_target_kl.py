@@ -37,7 +37,8 @@ def weights(trainer):
 
 
 def run(run_dir, target_kl, *overrides):
-    trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", [f"run_dir={run_dir}", *TINY, f"algo.target_kl={target_kl}", *overrides]))
+    overrides = [f"run_dir={run_dir}", *TINY, f"algo.target_kl={target_kl}", *overrides]
+    trainer = Trainer(load_config(ROOT / "configs" / "default.yaml", overrides))
     events, step, measure, update = [], trainer.ppo.optimizer_step, trainer.ppo.measure_kl, trainer.ppo.update_policy
 
     def recording_update(batch, iteration):

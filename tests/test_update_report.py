@@ -129,7 +129,8 @@ def test_the_logged_metrics_follow_from_the_record():
     own: ``critic_passes``)."""
     report = UpdateReport(grad_norms={"actor": [1.0, 3.0], "critic": [0.5, 0.5]},
                           behaviour_entropy={"execution": [6.0, 4], "summary": [0.0, 0]},
-                          entropy_pass=True, policy_steps=2, kl_stop=True, kl_final=2.5e-3, learner_s=2.0, critic_passes=2, policy_forwards=3.25)
+                          entropy_pass=True, policy_steps=2, kl_stop=True, kl_final=2.5e-3, learner_s=2.0, critic_passes=2,
+                          policy_forwards=3.25)
     report.policy.approx_kl += [1e-3, 3e-3]
     report.critic.explained_variance += [0.5, math.nan]
     got = report.metrics("cpu", learner_tokens=100.0)

@@ -13,9 +13,9 @@ from crl.modules.networks import CausalLMLogProbs
 from crl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["train.iterations=2", "train.episodes_per_batch=4", "warm_start.steps=4", "warm_start.stop_answer_p=null", "eval.episodes=4",
-        "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false", "checkpoint.evidence_every=1", "env.invalid_command=observe",
-        "model.value_head_init=normal"]
+TINY = ["train.iterations=2", "train.episodes_per_batch=4", "warm_start.steps=4", "warm_start.stop_answer_p=null",
+        "eval.episodes=4", "eval.every=0", "logging.wandb_mode=disabled", "logging.progress=false", "checkpoint.evidence_every=1",
+        "env.invalid_command=observe", "model.value_head_init=normal"]
 
 
 def make(run_dir, *overrides):

@@ -143,7 +143,8 @@ def test_a_leaky_generation_config_leaves_the_first_vllm_update_at_ratio_one(ckp
 
 def test_zero3_samples_through_one_engine_per_rank(ckpt, tmp_path):
     """DeepSpeed ZeRO-3 on 2 CPU ranks with model.backend=vllm: each rank's engine (its own core) gets the weights
-    gathered one module at a time; episodes, losses, the audit; the first minibatch's KL to the sampler (policy/sampler_kl) is ~0 on both ranks."""
+    gathered one module at a time; episodes, losses, the audit; the first minibatch's KL to the sampler
+    (policy/sampler_kl) is ~0 on both ranks."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_zero3.yaml",
            "--main_process_port", str(free_port()), "scripts/train.py", "--config", "configs/default.yaml", f"run_dir={run}",

@@ -63,4 +63,5 @@ def check_environment() -> None:
                                  ("agent loop", _agent_loop_registry, AGENT_NAME)):
         if name not in registry:
             raise RuntimeError(f"verl {verl.__version__} has no {what} {name!r} registered after import")
-    print(f"crl_verl OK: verl {verl.__version__}; estimator {ESTIMATOR_NAME!r}, trainer {TRAINER_NAME!r}, agent loop {AGENT_NAME!r} registered")
+    print(f"crl_verl OK: verl {verl.__version__}; estimator {ESTIMATOR_NAME!r}, trainer {TRAINER_NAME!r}, "
+          f"agent loop {AGENT_NAME!r} registered")

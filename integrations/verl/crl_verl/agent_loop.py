@@ -65,7 +65,8 @@ def outputs_from_segments(
     for i, seg in enumerate(segments):
         first = next((t for t, p in enumerate(seg.provenance) if p in SAMPLED_PROVENANCE), None)
         if first is None or first == 0:
-            raise ValueError(f"segment {i} of rollout {rollout!r} has {'no sampled token' if first is None else 'a sampled token at position 0'}; "
+            found = "no sampled token" if first is None else "a sampled token at position 0"
+            raise ValueError(f"segment {i} of rollout {rollout!r} has {found}; "
                              "every crl segment starts with context and holds an action or a summary")
         outputs.append(AgentLoopOutput(
             prompt_ids=list(seg.tokens[:first]),
@@ -102,7 +103,8 @@ def segments_from_outputs(outputs: Sequence) -> list[Segment]:
         response = [int(t) for t in d["responses"]]
         prov = [int(p) for p in extra["crl_provenance"]]
         if len(prov) != len(prompt) + len(response):
-            raise ValueError(f"segment {extra['crl_segment_index']}: {len(prov)} provenance entries for {len(prompt) + len(response)} tokens")
+            raise ValueError(f"segment {extra['crl_segment_index']}: {len(prov)} provenance entries for "
+                             f"{len(prompt) + len(response)} tokens")
         lp = d.get("rollout_log_probs")
         logp = [0.0] * len(prompt) + ([float(x) for x in lp] if lp is not None else [0.0] * len(response))
         logp = [x if p in SAMPLED_PROVENANCE else 0.0 for x, p in zip(logp, prov)]

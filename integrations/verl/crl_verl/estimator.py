@@ -313,7 +313,8 @@ def compute_compaction_gae_advantage(
     trainer (``trainer.v1.trainer_mode=compaction_sync``) passes them; other callers must too.
     """
     if values is None or (row_keys is None and (rollout is None or segment_index is None)):
-        missing = [name for name, x in (("values", values), ("row_keys (or rollout + segment_index)", row_keys if row_keys is not None else rollout)) if x is None]
+        given = (("values", values), ("row_keys (or rollout + segment_index)", row_keys if row_keys is not None else rollout))
+        missing = [name for name, x in given if x is None]
         raise CompactionGAEInputError(
             f"{ESTIMATOR_NAME} got no {' and no '.join(missing)}: verl's compute_advantage passes a registered estimator "
             "only token_level_rewards, response_mask, config and index. Use crl_verl's trainer "

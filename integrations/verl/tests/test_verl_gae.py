@@ -59,8 +59,8 @@ def test_reward_on_a_trailing_observation_is_dropped_by_verl_gae_not_by_compacti
                                                                response_mask=mask, gamma=gamma, lam=lam)
     m = mask[hazard].bool()
     assert torch.equal(ret[hazard][m], ret_no_reward[hazard][m]), "verl's gae: the reward never reaches these rows"
-    adv, ret_c = est.compute_compaction_gae_advantage(rm, mask, config=verl_config(gamma=gamma, lmbda=lam, cross_trajectory=False).algorithm,
-                                                      values=data.batch["values"], row_keys=keys)
+    within = verl_config(gamma=gamma, lmbda=lam, cross_trajectory=False).algorithm
+    adv, ret_c = est.compute_compaction_gae_advantage(rm, mask, config=within, values=data.batch["values"], row_keys=keys)
     a_loc, target = cross_trajectory_gae(td["state_value"], td["loss_mask"], td["reward"], td["n_after"], td["rollout_length"],
                                          gamma=gamma, lmbda=lam, cross_trajectory=False)
     assert torch.equal(to_crl_layout(ret_c, td), target), "compaction_gae puts R on the last sampled token"
