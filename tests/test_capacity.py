@@ -11,7 +11,7 @@ import torch
 from crl.builders import build_compaction_config, build_prompt_format, build_suite, build_tokenizer, curriculum_stages
 from crl.compaction import CompactionEngine
 from crl.config import load_config
-from crl.episode import Provenance, concat_episodes
+from crl.episode import Provenance, SegmentKind, concat_episodes
 from crl.experiments.capacity import fit_steps, oracle_summary_rows, summary_nll
 from crl.learner import PrefixSharedForward
 from crl.modules.networks import CausalLMLogProbs, build_causal_lm
@@ -78,3 +78,37 @@ def test_the_script_writes_both_references_and_a_plot(tmp_path):
         assert r["episodes"] >= 16 and [c["trained_episodes"] for c in r["dev"]][0] == 0 and r["test"]["split"] == "test"
     assert report["references"][0]["optimizer_steps"] == 2 and report["threshold"] == 0.8
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_rft_steps_only_on_full_batches_of_its_pooled_successes(tmp_path, monkeypatch):
+    """A collected batch wins a few summaries; they wait in the pool until ``batch_size`` of them make one Adam step,
+    and what is left at the end is reported unused. Every episode is made a success here (the tiny model rarely is),
+    so that each collected batch brings every summary it wrote: with batches of 3, every step has 3 rows."""
+    from crl.experiments import capacity
+    from crl.trainer import Trainer
+
+    collect = Trainer.collect
+
+    def every_episode_won(self):
+        rollout = collect(self)
+        rollout["reward"] = torch.ones_like(rollout["reward"])
+        won.append(int((rollout["segment_kind"] == int(SegmentKind.SUMMARY)).sum()))
+        return rollout
+
+    won, step_rows, fit = [], [], capacity.fit_steps
+
+    def recorded_fit(actor, optimizer, params, rows, batch_size, *args, **kwargs):
+        step_rows.append(len(rows))
+        return fit(actor, optimizer, params, rows, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "collect", every_episode_won)
+    monkeypatch.setattr(capacity, "fit_steps", recorded_fit)
+    cfg = load_config(QUICK, ["logging.wandb_mode=disabled", "logging.progress=false", "warm_start.steps=4",
+                              "warm_start.stop_answer_p=null", "train.episodes_per_batch=8", "train.branches=4",
+                              "train.policy_minibatches=2", "env.invalid_command=observe", "env.early_submit=accept",
+                              f"run_dir={tmp_path / 'rft'}", "checkpoint.resume=never"])
+    r = capacity.run_reference("rft", cfg, episodes=16, batch_size=3, lr=1e-4, micro_rows=2, evals=1, dev_episodes=4,
+                               final_episodes=4, seed=0, progress=False)
+    assert sum(won) == r["rft_summaries_kept"] > 0 and any(n % 3 for n in won), won  # a batch's wins are not whole batches
+    assert all(n % 3 == 0 for n in step_rows) and r["optimizer_steps"] == sum(step_rows) // 3, step_rows
+    assert sum(step_rows) + r["rft_summaries_unused"] == r["rft_summaries_kept"] and r["rft_summaries_unused"] < 3
