@@ -30,6 +30,7 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_and_names_the_fix(monkeypatch, pre
 
     monkeypatch.setattr(acc, "native_bf16", lambda: native)
     monkeypatch.setattr(acc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(acc.platform, "machine", lambda: "x86_64")  # the flags are x86's
     cfg = load_config("configs/default.yaml", [f"train.precision={precision}"])
     AcceleratorState._reset_state()  # a process-wide singleton: an earlier accelerator fixed its precision
     try:

@@ -10,6 +10,7 @@ import datetime
 import json
 import math
 import os
+import platform
 import warnings
 from pathlib import Path
 
@@ -25,8 +26,8 @@ import torch
 from crl.config import Config, ConfigValidationError, zero_stage
 from crl.objectives.distributed import all_reduce_sum, dist_ready
 
-__all__ = ["make_accelerator", "native_bf16", "check_elastic_store", "deepspeed_stage", "process_ranks", "reduce_stats", "mean_over_ranks",
-           "mean_scalar_over_ranks",
+__all__ = ["make_accelerator", "native_bf16", "check_elastic_store", "deepspeed_stage", "process_ranks", "reduce_stats",
+           "mean_over_ranks", "mean_scalar_over_ranks",
            "max_min_over_ranks", "barrier", "peak_memory_mb", "optimizer_layout"]
 
 
@@ -46,10 +47,10 @@ def make_accelerator(cfg: Config):
             raise ConfigValidationError("--use_deepspeed needs --deepspeed_config_file (e.g. configs/deepspeed/zero2.json)")
     cuda = torch.cuda.is_available()
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
-    if bf16 and not cuda and native_bf16() is None:
+    if bf16 and not cuda and platform.machine() in ("x86_64", "AMD64") and native_bf16() is None:  # x86's flags only
         warnings.warn("train.precision=bf16 on a CPU without bf16 instructions (no amx_bf16 or avx512_bf16 in /proc/cpuinfo): "
-                      "torch emulates bf16 matrix products, 58x slower than fp32 in a 512x576 by 576x1536 product on an AVX2 EPYC core; "
-                      "set train.precision=fp32 here (its numbers differ from a bf16 run's)", stacklevel=2)
+                      "torch emulates bf16 matrix products, 58x slower than fp32 in a 512x576 by 576x1536 product on an "
+                      "AVX2 EPYC core; set train.precision=fp32 here (its numbers differ from a bf16 run's)", stacklevel=2)
     # the process group's timeout (gloo and NCCL, DeepSpeed's init_distributed too): a lost machine ends the run
     timeout = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))]
     if ds_file is None:
