@@ -1,11 +1,13 @@
 """bf16 on a CPU: which instruction set the CPU has for it, and the warning a run gets where torch must emulate it."""
 import warnings
+from pathlib import Path
 
 import pytest
 
 from crl.config import load_config
 from crl.training import accelerator as acc
 
+ROOT = Path(__file__).resolve().parents[1]
 FLAGS = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma {extra}\n\n"
 
 
@@ -31,7 +33,7 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_and_names_the_fix(monkeypatch, pre
     monkeypatch.setattr(acc, "native_bf16", lambda: native)
     monkeypatch.setattr(acc.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(acc.platform, "machine", lambda: "x86_64")  # the flags are x86's
-    cfg = load_config("configs/default.yaml", [f"train.precision={precision}"])
+    cfg = load_config(ROOT / "configs" / "default.yaml", [f"train.precision={precision}"])
     AcceleratorState._reset_state()  # a process-wide singleton: an earlier accelerator fixed its precision
     try:
         with warnings.catch_warnings(record=True) as caught:
