@@ -523,11 +523,11 @@ def test_the_pilot_rule_judges_dev_holds_and_the_format_exactly_at_its_threshold
     """PILOT_GATE on hand-made rows: at each threshold a seed passes, one count past it fails (joint's gain and lead over
     frozen >= 1/4, frozen's drift <= 1/10 either way, >= 9/10 well-formed summaries in each arm); the logged floats are
     read back as the counts' fractions (14/40 - 10/40 = 1/10 exactly, which 0.35 - 0.25 is not in floats); a missing
-    dev evaluation or missing decoded summaries fail every_run_complete, naming the run; the final evaluation is
-    reported, not judged."""
+    dev evaluation or missing decoded summaries fail every_run_complete, naming the run; one pilot seed, however good,
+    fails pilot_seeds (the issue's "on two pilot seeds"); the final evaluation is reported, not judged."""
     from fractions import Fraction
 
-    from crl.experiments.keep_rule import PILOT_GATE, pilot_gate
+    from crl.experiments.keep_rule import PILOT_GATE, PILOT_SEEDS, pilot_gate
 
     good, bad = "blue = 4 , red = 2<|end|>", "blue = 4 , red<|end|>"
     def formed(joint=10, frozen=10):  # noqa: E306 -- summaries of each arm's seeds: `n` of 10 well formed
@@ -547,7 +547,12 @@ def test_the_pilot_rule_judges_dev_holds_and_the_format_exactly_at_its_threshold
     assert c["joint_holds_gain"]["exact"] == "1/4" and c["joint_holds_minus_frozen"]["exact"] == "1/4"
     assert c["joint_holds_gain"]["per_seed"]["2"]["counts"] == "1/2 - 1/4"
     assert c["well_formed"]["per_seed"]["2"]["counts"] == "joint 10/10, frozen 10/10"
-    assert set(c) == {*PILOT_GATE, "all_audits_pass", "every_run_complete"}
+    assert set(c) == {*PILOT_GATE, "all_audits_pass", "every_run_complete", "pilot_seeds"}
+    assert c["pilot_seeds"] == {"value": 2, "threshold": PILOT_SEEDS, "seeds": ["1", "2"], "pass": True}
+    one = {arm: {"seeds": {"1": at[arm]["seeds"]["1"]}} for arm in at}  # seed 1 alone passes every per-seed check
+    g1 = judge(one)
+    assert g1["verdict"] == "FAIL" and [n for n, v in g1["checks"].items() if not v["pass"]] == ["pilot_seeds"]
+    assert g1["checks"]["pilot_seeds"]["value"] == 1 and PILOT_SEEDS == 2
     assert g["final_eval"]["joint"]["2"] == {"episodes_judged": 120, "holds": 84} and g["split"] == "dev"
 
     def fails(arms, check, summaries=None):
@@ -602,7 +607,7 @@ def test_the_pilot_study_reads_the_exported_summaries_with_its_tokenizers_eos(tm
     arms = {arm: {"seeds": {"1": pilot_run(end=30 if arm == "joint" else 10)}} for arm in ("joint", "frozen")}
     cfgs = {arm: load_config(KEEP_QUICK / f"{arm}.yaml", ["train.iterations=2"]) for arm in ("joint", "frozen")}
     g = study.pilot_rule(cfgs, arms)
-    assert g["verdict"] == "PASS", g["checks"]
+    assert [n for n, v in g["checks"].items() if not v["pass"]] == ["pilot_seeds"], g["checks"]  # one seed: reported, fails
     assert g["checks"]["well_formed"]["per_seed"]["1"]["counts"] == "joint 9/10, frozen 10/10"
     for kw, match in (({"final_split": "test"}, "--final-split dev"), ({"export": None}, "--export DIR")):
         with pytest.raises(SystemExit, match=match):

@@ -4,8 +4,8 @@ asked key's final value in its summaries, beyond what the frozen summariser and 
 Judged on every seed from the integer counts of each run's final *test* evaluation (``scripts/evaluate.py``: its
 ``summary`` block), in exact arithmetic (``fractions.Fraction``: 42/120 - 24/120 passes 15/100 where floats fail).
 
-Before a preregistration, a recipe must pass the pilot rule (:data:`PILOT_GATE`) on pilot seeds and the dev split: the
-joint arm's summaries moved toward keeping, the control's did not, and the format survived.
+Before a preregistration, a recipe must pass the pilot rule (:data:`PILOT_GATE`) on :data:`PILOT_SEEDS` pilot seeds and
+the dev split: the joint arm's summaries moved toward keeping, the control's did not, and the format survived.
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ KEEP_SPLIT = "test"
 #: (:func:`crl.envs.sequential_records.well_formed`); every audit PASS. The final dev evaluation is reported, not judged.
 PILOT_GATE = {"joint_holds_gain": Fraction(1, 4), "joint_holds_minus_frozen": Fraction(1, 4), "frozen_holds_drift": Fraction(1, 10),
               "well_formed": Fraction(9, 10)}
+#: A recipe passes the pilot rule on at least this many complete pilot seeds (issue 58: "on two pilot seeds"); one seed
+#: that moved is a draw, not a recipe. Fewer fail the check ``pilot_seeds``, which names the seeds judged.
+PILOT_SEEDS = 2
 #: The split the pilot rule reads (the test split is the study's).
 PILOT_SPLIT = "dev"
 
@@ -196,7 +199,8 @@ def pilot_gate(arms: dict, *, iterations: dict, summaries: dict, eos: str) -> di
     summaries of each run's last decoded evidence iteration (the study's export, ``summaries.jsonl``; None where there
     is none); ``eos``: the tokenizer's EOS text. Returns ``{"verdict", "checks": {name: {"value", "exact", "threshold",
     "threshold_exact", "per_seed", "pass"}}, "final_eval", "split", "code"}``; a seed that lacks a run, a dev
-    evaluation of its holds at iteration 0 or the last, or decoded summaries fails ``every_run_complete``, naming it.
+    evaluation of its holds at iteration 0 or the last, or decoded summaries fails ``every_run_complete``, naming it;
+    fewer than :data:`PILOT_SEEDS` complete seeds fail ``pilot_seeds`` (a pilot on one seed so far reports, and fails).
     None without a joint or a frozen arm."""
     from crl.envs.sequential_records import well_formed
 
@@ -233,6 +237,8 @@ def pilot_gate(arms: dict, *, iterations: dict, summaries: dict, eos: str) -> di
         per["well_formed"][k] = {**_value(worst), "counts": ", ".join(f"{arm} {n}/{d}" for arm, (n, d) in formed.items()),
                                  "pass": worst >= PILOT_GATE["well_formed"]}
     checks = _judged_checks(per, PILOT_GATE, {"frozen_holds_drift"}, arms, missing, complete_seeds)
+    checks["pilot_seeds"] = {"value": len(complete_seeds), "threshold": PILOT_SEEDS, "seeds": complete_seeds,
+                             "pass": len(complete_seeds) >= PILOT_SEEDS}
     final = {arm: {k: {key: ((r.get("final_eval") or {}).get("summary") or {}).get(key) for key in ("episodes_judged", "holds")}
                    for k, r in runs[arm].items()} for arm in runs}  # reported beside the rule, never judged
     return {"verdict": "PASS" if all(c["pass"] for c in checks.values()) else "FAIL", "checks": checks,
