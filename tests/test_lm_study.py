@@ -608,6 +608,10 @@ def test_the_pilot_study_reads_the_exported_summaries_with_its_tokenizers_eos(tm
     cfgs = {arm: load_config(KEEP_QUICK / f"{arm}.yaml", ["train.iterations=2"]) for arm in ("joint", "frozen")}
     g = study.pilot_rule(cfgs, arms)
     assert [n for n, v in g["checks"].items() if not v["pass"]] == ["pilot_seeds"], g["checks"]  # one seed: reported, fails
+    said = []
+    study.say = said.append
+    study.conclude_keep({"gate": g, "trained_by": {}})
+    assert "pilot rule pilot_seeds: FAIL (1 complete seed(s): 1; needs 2)" in said and said[-1].startswith("pilot rule: FAIL"), said
     assert g["checks"]["well_formed"]["per_seed"]["1"]["counts"] == "joint 9/10, frozen 10/10"
     for kw, match in (({"final_split": "test"}, "--final-split dev"), ({"export": None}, "--export DIR")):
         with pytest.raises(SystemExit, match=match):

@@ -359,7 +359,9 @@ class Study(Sweep):
                 self.say(f"{rule} {name}: {value} vs {c['threshold_exact']} -> {'PASS' if c['pass'] else 'FAIL'} [{seeds}]")
             else:
                 self.say(f"{rule} {name}: {'PASS' if c['pass'] else 'FAIL'}" + (f" (missing: {'; '.join(c['missing'])})"
-                                                                                if c.get("missing") else ""))
+                                                                                if c.get("missing") else "")
+                         + (f" ({c['value']} complete seed(s): {', '.join(c['seeds']) or 'none'}; needs {c['threshold']})"
+                            if "seeds" in c else ""))
         if self.gate_name == "pilot":
             self.say(f"pilot rule: {g['verdict']}; final {g['split']} evaluation (not judged), holds / judged: " + "; ".join(
                 f"{arm} seed {k} {v['holds']}/{v['episodes_judged']}" for arm, seeds in g["final_eval"].items() for k, v in seeds.items()))
